@@ -1,0 +1,1 @@
+"""Concrete experiment code (models, datasets, tasks) that configs in conf/ point at by `_target_`."""

@@ -1,0 +1,1 @@
+"""A Hydra-driven, Lightning-style experiment framework for PyTorch."""

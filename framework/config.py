@@ -1,0 +1,144 @@
+"""Structured-config schemas for the groups whose shape the framework owns.
+
+Registered with Hydra's ConfigStore so a typo or a wrong type is rejected while the config is composed,
+before anything runs. Group YAML files start with `defaults: [schema, _self_]` to pick these up.
+Cross-field checks that a type cannot express live in `validate()`, called once by the app.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Optional, Union
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+from framework.errors import ConfigError
+
+
+@dataclass
+class TrainerConfig:
+    max_epochs: int = 20
+    max_steps: int = -1  # optimizer steps; -1 means "no limit" (Lightning's convention)
+    val_every_n_epochs: int = 1
+    log_every_n_steps: int = 50
+    accumulate_grad_batches: int = 1
+    grad_clip_norm: Optional[float] = None
+    grad_clip_value: Optional[float] = None
+    # An int is a number of batches, a float a fraction of the epoch (as in Lightning).
+    limit_train_batches: Union[int, float] = 1.0
+    limit_val_batches: Union[int, float] = 1.0
+    limit_test_batches: Union[int, float] = 1.0
+    fast_dev_run: bool = False
+    test: bool = True
+    deterministic: bool = False
+    compile: bool = False
+    device: str = "auto"
+
+
+@dataclass
+class LoggerConfig:
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+class Mode(str, Enum):
+    min = "min"
+    max = "max"
+
+
+@dataclass
+class CheckpointConfig:
+    save_last: bool = False
+    every_n_steps: int = 0
+    every_n_epochs: int = 0
+    keep_last: int = 1
+    monitor: Optional[str] = None
+    mode: Mode = Mode.max
+    save_top_k: int = 0
+    on_signal: bool = False
+
+
+class PrecisionMode(str, Enum):
+    fp32 = "fp32"
+    amp = "amp"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+@dataclass
+class PrecisionConfig:
+    mode: PrecisionMode = PrecisionMode.fp32
+
+
+class StrategyName(str, Enum):
+    single = "single"
+    dp = "dp"
+    ddp = "ddp"
+
+
+@dataclass
+class ParallelConfig:
+    strategy: StrategyName = StrategyName.single
+    devices: Optional[int] = None
+    backend: Optional[str] = None
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    timeout_s: int = 1800
+
+
+@dataclass
+class RootConfig:
+    name: str = MISSING
+    seed: int = 42
+    model: Any = MISSING
+    data: Any = MISSING
+    task: Any = MISSING
+    optimizer: Any = MISSING
+    scheduler: Any = MISSING
+    precision: Any = MISSING
+    parallel: Any = MISSING
+    checkpoint: Any = MISSING
+    logger: Any = MISSING
+    trainer: Any = MISSING
+
+
+def register() -> None:
+    """Make the schemas visible to Hydra's defaults lists (`schema` inside each group, `base_config` at the root)."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=RootConfig)
+    cs.store(group="trainer", name="schema", node=TrainerConfig)
+    cs.store(group="logger", name="schema", node=LoggerConfig)
+    cs.store(group="checkpoint", name="schema", node=CheckpointConfig)
+    cs.store(group="precision", name="schema", node=PrecisionConfig)
+    cs.store(group="parallel", name="schema", node=ParallelConfig)
+
+
+def _require(ok: bool, key: str, value: object, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: expected {expected}")
+
+
+def _check_limit(key: str, value: Union[int, float]) -> None:
+    if isinstance(value, float):
+        _require(0.0 < value <= 1.0, key, value, "a fraction in (0, 1] or a whole number of batches >= 1")
+    else:
+        _require(value >= 1, key, value, "a whole number of batches >= 1 or a fraction in (0, 1]")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks that need more than one field or a range; types were already checked when composing."""
+    t = cfg.trainer
+    _require(t.max_epochs >= 1 or t.max_steps >= 1, "trainer.max_epochs", t.max_epochs,
+             ">= 1 (or set trainer.max_steps >= 1)")
+    _require(t.max_steps == -1 or t.max_steps >= 1, "trainer.max_steps", t.max_steps, "-1 (no limit) or >= 1")
+    _require(t.val_every_n_epochs >= 1, "trainer.val_every_n_epochs", t.val_every_n_epochs, ">= 1")
+    _require(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", t.log_every_n_steps, ">= 1")
+    _require(t.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches", t.accumulate_grad_batches, ">= 1")
+    for key in ("grad_clip_norm", "grad_clip_value"):
+        value = t[key]
+        _require(value is None or value > 0, f"trainer.{key}", value, "null or a positive number")
+    for key in ("limit_train_batches", "limit_val_batches", "limit_test_batches"):
+        _check_limit(f"trainer.{key}", t[key])
+    _require(t.device == "auto" or t.device.split(":")[0] in ("cpu", "cuda", "mps"), "trainer.device", t.device,
+             "'auto', 'cpu', 'cuda' or 'cuda:N'")

@@ -1,0 +1,145 @@
+"""DataModule: datasets in, batches out; seeded, shardable and resumable at any batch of an epoch.
+
+Two ways to make batches, same order:
+- the in-memory fast path, for datasets made of tensors (a `TensorDataset`, or anything exposing `.tensors`)
+  when no worker processes are asked for: each epoch permutes the tensors once, then yields contiguous
+  slices, so a batch costs a view instead of `batch_size` lookups and a collate;
+- a `torch.utils.data.DataLoader` with our `EpochSampler`, for everything else.
+Either way the order depends only on (seed, epoch, rank, world size), never on the global RNG, so a run
+resumed at batch k of an epoch sees exactly the batches an uninterrupted run would.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Iterator, Optional, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from framework.reproducibility import generator
+
+
+class EpochSampler(Sampler[int]):
+    """Per-epoch seeded order, sharded over ranks (like DistributedSampler) and started at any position."""
+
+    def __init__(self, size: int, *, shuffle: bool, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 pad: bool = True) -> None:
+        self.size, self.shuffle, self.seed = size, shuffle, seed
+        self.rank, self.world_size, self.pad = rank, world_size, pad
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Select the epoch's order and skip its first `start` samples of this rank (already consumed)."""
+        self.epoch, self.start = epoch, start
+
+    def order(self) -> torch.Tensor:
+        """All indices of this rank for the current epoch, including the skipped ones."""
+        if self.shuffle:
+            order = torch.randperm(self.size, generator=generator(self.seed + self.epoch))
+        else:
+            order = torch.arange(self.size)
+        if self.world_size > 1:
+            if self.pad:  # every rank gets the same number of samples, so collectives stay in step
+                total = math.ceil(self.size / self.world_size) * self.world_size
+                order = torch.cat([order, order[: total - self.size]])
+            order = order[self.rank:: self.world_size]
+        return order
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order()[self.start:].tolist())
+
+    def __len__(self) -> int:
+        return len(self.order()) - self.start
+
+
+class TensorBatches:
+    """The in-memory fast path: one gather per tensor per epoch, then a view per batch."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], sampler: EpochSampler, batch_size: int,
+                 drop_last: bool) -> None:
+        self.tensors, self.sampler, self.batch_size, self.drop_last = tensors, sampler, batch_size, drop_last
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        order = self.sampler.order()
+        n = len(order) - len(order) % self.batch_size if self.drop_last else len(order)
+        order = order[self.sampler.start: n]
+        permuted = [t[order] for t in self.tensors]
+        for i in range(0, len(order), self.batch_size):
+            yield tuple(t[i: i + self.batch_size] for t in permuted)
+
+    def __len__(self) -> int:
+        return _num_batches(len(self.sampler), self.batch_size, self.drop_last)
+
+
+def _num_batches(samples: int, batch_size: int, drop_last: bool) -> int:
+    return samples // batch_size if drop_last else math.ceil(samples / batch_size)
+
+
+def dataset_tensors(dataset: Dataset) -> Optional[Sequence[torch.Tensor]]:
+    """The tensors a dataset is made of, when it is made of tensors (TensorDataset or `.tensors`)."""
+    tensors = getattr(dataset, "tensors", None)
+    if isinstance(tensors, (tuple, list)) and tensors and all(isinstance(t, torch.Tensor) for t in tensors):
+        return tensors
+    return None
+
+
+class DataModule:
+    """Holds the train/val/test datasets and the loader options from `data.*` in the config.
+
+    `num_classes`, `input_shape` and `root` describe the data for the rest of the config (the model reads
+    `${data.num_classes}`, datasets read `${data.root}`); the DataModule itself only batches.
+    """
+
+    def __init__(self, train: Dataset, val: Optional[Dataset] = None, test: Optional[Dataset] = None, *,
+                 num_classes: Optional[int] = None, input_shape: Optional[Sequence[int]] = None,
+                 root: Optional[str] = None, batch_size: int = 64, eval_batch_size: Optional[int] = None,
+                 shuffle: bool = True, drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False,
+                 persistent_workers: bool = False, prefetch_factor: Optional[int] = None) -> None:
+        self.datasets = {"train": train, "val": val, "test": test}
+        self.num_classes, self.input_shape, self.root = num_classes, input_shape, root
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.shuffle, self.drop_last = shuffle, drop_last
+        self.loader_options: dict[str, Any] = {
+            "num_workers": num_workers,
+            "pin_memory": pin_memory,
+            "persistent_workers": persistent_workers and num_workers > 0,
+            "prefetch_factor": prefetch_factor if num_workers > 0 else None,
+        }
+        self._loaders: dict[str, tuple[EpochSampler, Iterable]] = {}
+
+    def has(self, split: str) -> bool:
+        return self.datasets.get(split) is not None
+
+    def setup(self, seed: int, rank: int = 0, world_size: int = 1) -> None:
+        """Build one loader per split; they are reused every epoch (so persistent workers persist)."""
+        for split, dataset in self.datasets.items():
+            if dataset is None:
+                continue
+            train = split == "train"
+            sampler = EpochSampler(len(dataset), shuffle=train and self.shuffle, seed=seed, rank=rank,
+                                   world_size=world_size, pad=train)
+            batch_size = self.batch_size if train else self.eval_batch_size
+            drop_last = self.drop_last and train
+            tensors = dataset_tensors(dataset)
+            if tensors is not None and self.loader_options["num_workers"] == 0:
+                loader: Iterable = TensorBatches(tensors, sampler, batch_size, drop_last)
+            else:
+                loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
+                                    generator=generator(seed), **self.loader_options)
+            self._loaders[split] = (sampler, loader)
+
+    def batches(self, split: str, epoch: int = 0, start_batch: int = 0) -> Iterable:
+        """The batches of `split` for `epoch`, skipping the first `start_batch` ones without loading them."""
+        sampler, loader = self._loaders[split]
+        batch_size = self.batch_size if split == "train" else self.eval_batch_size
+        sampler.set_epoch(epoch, start_batch * batch_size)
+        if isinstance(loader, DataLoader):
+            loader.generator.manual_seed(sampler.seed + epoch)  # worker seeds follow the epoch, not global RNG
+        return loader
+
+    def num_batches(self, split: str) -> int:
+        """Batches in one full epoch of `split` on this rank."""
+        sampler, loader = self._loaders[split]
+        batch_size = self.batch_size if split == "train" else self.eval_batch_size
+        return _num_batches(len(sampler.order()), batch_size, self.drop_last and split == "train")

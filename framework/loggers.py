@@ -1,0 +1,104 @@
+"""What a run reports: TensorBoard event files, the console progress bar and the closing summary.
+
+Only rank 0 creates these; other ranks get disabled instances, so the trainer never branches on rank.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+
+class TensorBoardLogger:
+    """Scalars and text into the run directory's event files (so `tensorboard --logdir outputs` finds them)."""
+
+    def __init__(self, log_dir: Path, enabled: bool = True) -> None:
+        self.writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter  # imported only when used: it is slow to import
+
+            self.writer = SummaryWriter(log_dir=str(log_dir), flush_secs=10)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        if self.writer is not None:
+            for name, value in metrics.items():
+                self.writer.add_scalar(name, value, step)
+
+    def log_text(self, tag: str, text: str) -> None:
+        if self.writer is not None:
+            self.writer.add_text(tag, text)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class ProgressBar:
+    """A tqdm bar per epoch; metrics shown are refreshed only at log steps (no extra host syncs)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.bar = None
+
+    def start_epoch(self, epoch: int, total: int, initial: int = 0) -> None:
+        if self.enabled:
+            from tqdm import tqdm
+
+            self.close()
+            self.bar = tqdm(total=total, initial=initial, desc=f"epoch {epoch}", dynamic_ncols=True,
+                            leave=False, file=sys.stderr)
+
+    def update(self) -> None:
+        if self.bar is not None:
+            self.bar.update()
+
+    def show(self, metrics: Mapping[str, float]) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix({k.split("/", 1)[-1] if k.startswith("train/") else k: f"{v:.4g}"
+                                  for k, v in metrics.items()}, refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    """Atomic: a reader (or a crash) never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def print_summary(summary: Mapping[str, Any], run_dir: Path) -> None:
+    """The closing lines a user reads: final metrics, where the run is, how to look at it."""
+    metrics = {k: v for k, v in summary.items() if "/" in k and isinstance(v, (int, float))}
+    shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if not math.isnan(v))
+    print(f"Done in {summary['seconds']:.1f} s: {summary['epoch']} epochs, {summary['step']} steps "
+          f"({summary['precision']}, world size {summary['world_size']})")
+    if shown:
+        print(f"  {shown}")
+    print(f"Run directory: {run_dir}")
+    print(f"View it with:  tensorboard --logdir {_shell_path(run_dir)}")
+
+
+def _shell_path(path: Path) -> str:
+    try:
+        path = path.resolve().relative_to(Path.cwd())
+    except ValueError:
+        pass
+    text = str(path)
+    return f"'{text}'" if any(c in text for c in " =,'\"") else text
+

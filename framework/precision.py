@@ -1,0 +1,71 @@
+"""Numeric precision of a run: fp32, or autocast in bf16/fp16 with a GradScaler for fp16.
+
+The optimizer step follows the GradScaler's required order: unscale -> clip -> step -> update, so that
+clipping sees true gradients and a step with inf/NaN gradients is skipped (and reported as skipped).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager, Iterable, Optional
+
+import torch
+
+
+def _bf16_supported(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu"
+
+
+class Precision:
+    def __init__(self, mode: str, device: torch.device) -> None:
+        if mode == "amp":
+            mode = "bf16" if _bf16_supported(device) else "fp16"
+        self.device_type = device.type
+        self.dtype: Optional[torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
+        self.scaler = torch.amp.GradScaler(device.type) if self.dtype is torch.float16 else None
+        self.skipped_steps = 0
+
+    @property
+    def name(self) -> str:
+        """What runs, as reported in summary.json: fp32, bf16-autocast or fp16-autocast+gradscaler."""
+        if self.dtype is None:
+            return "fp32"
+        name = "bf16-autocast" if self.dtype is torch.bfloat16 else "fp16-autocast"
+        return name + ("+gradscaler" if self.scaler is not None else "")
+
+    def autocast(self) -> ContextManager[Any]:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter],
+             clip_norm: Optional[float], clip_value: Optional[float]) -> bool:
+        """Clip and step; returns False when the GradScaler skipped the step (inf/NaN gradients)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)  # clipping must see true gradients, not scaled ones
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip_norm)
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(params, clip_value)
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        scale = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        stepped = self.scaler.get_scale() >= scale  # update() lowers the scale exactly when it skipped
+        self.skipped_steps += not stepped
+        return stepped
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict() if self.scaler is not None else {},
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = state.get("skipped_steps", 0)
