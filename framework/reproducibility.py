@@ -16,12 +16,17 @@ def seed_everything(seed: int) -> None:
 
 
 def set_deterministic(enabled: bool) -> None:
-    """Deterministic kernels everywhere (cuDNN included); slower, but runs repeat bit for bit on GPU too."""
-    if enabled:
-        # cuBLAS needs a fixed workspace to be deterministic; it must be set before the first CUDA call.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(enabled)
-    torch.backends.cudnn.deterministic = enabled
+    """Deterministic kernels everywhere (cuDNN included); slower, but runs repeat bit for bit on GPU too.
+
+    Does nothing when disabled: torch's defaults are already non-deterministic, and calling
+    `use_deterministic_algorithms` imports torch._inductor, which costs almost two seconds of start-up.
+    """
+    if not enabled:
+        return
+    # cuBLAS needs a fixed workspace to be deterministic; it must be set before the first CUDA call.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
 
 

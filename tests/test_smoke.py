@@ -1,0 +1,16 @@
+import json
+
+from conftest import output, read_scalars, run_cli
+
+
+def test_default_run_trains_and_leaves_summary_events_and_config(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(run_dir, "trainer.max_epochs=3")
+    assert proc.returncode == 0, output(proc)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["epoch"] == 3 and summary["world_size"] == 1 and summary["precision"] == "fp32"
+    assert summary["val/acc"] > 0.8
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    scalars = read_scalars(run_dir)
+    assert {"train/loss", "val/loss", "val/acc", "lr/default", "epoch", "perf/samples_per_s"} <= set(scalars)
+    assert "tensorboard --logdir" in proc.stdout
