@@ -36,9 +36,18 @@ def compose() -> Iterator:
 
     import framework.app  # noqa: F401  (registers the structured-config schemas)
 
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    def compose_job(*overrides: str):
+        cfg = hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)  # as Hydra does for a job: `${hydra:...}` resolves
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return cfg
+
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        yield lambda *overrides: hydra_compose(config_name="config", overrides=list(overrides),
-                                               return_hydra_config=True)
+        yield compose_job
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:

@@ -1,0 +1,137 @@
+"""The training loop's behaviour, in-process on the default digits experiment (tiny runs)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import read_scalars
+from framework.task import ClassificationTask, StepOutput
+from framework.trainer import Trainer
+
+PLAIN_SGD = ("optimizer.momentum=0.0", "optimizer.weight_decay=0.0")
+
+
+def make_trainer(compose, run_dir: Path, *overrides: str) -> Trainer:
+    cfg = compose("logger.progress_bar=false", *overrides)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return Trainer(cfg, run_dir)
+
+
+def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    model = trainer.strategy.unwrap(trainer.task.model)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_accumulating_two_half_batches_equals_one_full_batch(compose, tmp_path):
+    common = ("trainer.max_steps=5", "data.shuffle=false", "trainer.test=false", *PLAIN_SGD)
+    half = make_trainer(compose, tmp_path / "a", *common, "data.batch_size=32", "trainer.accumulate_grad_batches=2")
+    full = make_trainer(compose, tmp_path / "b", *common, "data.batch_size=64")
+    half.fit(), full.fit()
+    assert half.step == full.step == 5
+    for name, value in weights(full).items():
+        torch.testing.assert_close(weights(half)[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_clip_norm_bounds_each_update(compose, tmp_path):
+    trainer = make_trainer(compose, tmp_path, "trainer.max_steps=1", "trainer.grad_clip_norm=0.001",
+                           "optimizer.lr=1.0", "trainer.test=false", *PLAIN_SGD)
+    before = weights(trainer)
+    trainer.fit()
+    after = weights(trainer)
+    update = torch.cat([(after[k] - before[k]).flatten() for k in before])
+    assert 0 < update.norm() <= 0.001 * 1.0001
+
+
+def test_grad_clip_value_bounds_each_element(compose, tmp_path):
+    trainer = make_trainer(compose, tmp_path, "trainer.max_steps=1", "trainer.grad_clip_value=0.0001",
+                           "optimizer.lr=1.0", "trainer.test=false", *PLAIN_SGD)
+    before = weights(trainer)
+    trainer.fit()
+    after = weights(trainer)
+    update = torch.cat([(after[k] - before[k]).flatten() for k in before])
+    assert update.abs().max() <= 0.0001 * 1.0001 and update.abs().max() > 0
+
+
+def test_limit_train_batches_as_count_and_as_fraction(compose, tmp_path):
+    # digits: 1259 training images / 64 per batch = 20 batches per epoch
+    count = make_trainer(compose, tmp_path / "a", "trainer.max_epochs=2", "trainer.limit_train_batches=3",
+                         "trainer.test=false")
+    count.fit()
+    assert (count.step, count.epoch) == (6, 2)
+    fraction = make_trainer(compose, tmp_path / "b", "trainer.max_epochs=1", "trainer.limit_train_batches=0.5",
+                            "trainer.test=false")
+    fraction.fit()
+    assert fraction.step == 10
+
+
+def test_max_steps_decides_the_length_and_may_stop_mid_epoch(compose, tmp_path):
+    trainer = make_trainer(compose, tmp_path, "trainer.max_steps=25", "trainer.max_epochs=1", "trainer.test=false")
+    summary = trainer.fit()
+    assert summary["step"] == 25 and summary["epoch"] == 1  # one whole epoch of 20 batches, then 5 more
+    assert "val/acc" in summary  # the final weights are always validated
+
+
+def test_fast_dev_run_runs_one_batch_of_each_and_writes_no_events(compose, tmp_path):
+    trainer = make_trainer(compose, tmp_path, "trainer.fast_dev_run=true")
+    summary = trainer.fit()
+    assert summary["step"] == 1 and "val/acc" in summary and "test/acc" in summary
+    assert not list(tmp_path.glob("events.out.tfevents.*"))
+    assert json.loads((tmp_path / "summary.json").read_text())["step"] == 1
+
+
+def test_every_log_step_writes_loss_lr_and_epoch(compose, tmp_path):
+    make_trainer(compose, tmp_path, "trainer.max_steps=6", "trainer.log_every_n_steps=2",
+                 "trainer.test=false").fit()
+    scalars = read_scalars(tmp_path)
+    assert [step for step, _ in scalars["train/loss"]] == [2, 4, 6]
+    assert [value for _, value in scalars["lr/default"]] == pytest.approx([0.1, 0.1, 0.1])
+    assert [step for step, _ in scalars["val/acc"]] == [6]
+
+
+def test_same_seed_same_weights_and_other_seed_other_weights(compose, tmp_path):
+    runs = [make_trainer(compose, tmp_path / str(i), "trainer.max_steps=5", "trainer.test=false", f"seed={seed}")
+            for i, seed in enumerate((1, 1, 2))]
+    for trainer in runs:
+        trainer.fit()
+    a, b, c = (weights(t) for t in runs)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+class RecordingTask(ClassificationTask):
+    """Remembers the mode and grad switch seen by each kind of step."""
+
+    seen: dict[str, set[tuple[bool, bool]]] = {}
+
+    def _note(self, kind: str) -> None:
+        RecordingTask.seen.setdefault(kind, set()).add((self.training, torch.is_grad_enabled()))
+
+    def training_step(self, batch: Any) -> StepOutput:
+        self._note("train")
+        return super().training_step(batch)
+
+    def validation_step(self, batch: Any) -> StepOutput:
+        self._note("val")
+        return super().validation_step(batch)
+
+    def test_step(self, batch: Any) -> StepOutput:
+        self._note("test")
+        return super().test_step(batch)
+
+
+def test_training_in_train_mode_and_evaluation_in_eval_mode_without_grad(compose, tmp_path):
+    RecordingTask.seen.clear()
+    make_trainer(compose, tmp_path, "trainer.max_epochs=2", "trainer.limit_train_batches=2",
+                 "task._target_=test_trainer.RecordingTask").fit()
+    assert RecordingTask.seen == {"train": {(True, True)}, "val": {(False, False)}, "test": {(False, False)}}
+
+
+def test_deterministic_mode_trains(compose, tmp_path):
+    summary = make_trainer(compose, tmp_path, "trainer.deterministic=true", "trainer.max_steps=3",
+                           "trainer.test=false").fit()
+    assert summary["step"] == 3
+    torch.use_deterministic_algorithms(False)
