@@ -11,7 +11,7 @@ from framework.task import ClassificationTask
 
 def test_accuracy_top1_and_topk():
     logits = torch.tensor([[0.9, 0.1, 0.0], [0.1, 0.2, 0.7], [0.5, 0.4, 0.1]])
-    target = torch.tensor([0, 1, 1])
+    target = torch.tensor([0, 1, 2])
     assert Accuracy()(logits, target).item() == pytest.approx(1 / 3)
     assert Accuracy(top_k=2)(logits, target).item() == pytest.approx(2 / 3)
 
