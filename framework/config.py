@@ -30,6 +30,7 @@ class TrainerConfig:
     limit_val_batches: Union[int, float] = 1.0
     limit_test_batches: Union[int, float] = 1.0
     fast_dev_run: bool = False
+    dry_run: bool = False
     test: bool = True
     deterministic: bool = False
     compile: bool = False

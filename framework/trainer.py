@@ -21,7 +21,8 @@ from framework.data import DataModule
 from framework.errors import ConfigError, UserError
 from framework.instantiate import build
 from framework.loggers import ProgressBar, TensorBoardLogger, print_summary, write_json
-from framework.optim import build_optimizer, build_scheduler, group_names
+from framework.model_summary import summarize
+from framework.optim import build_optimizer, build_scheduler, describe_groups, format_groups, group_names, lr_plan
 from framework.parallel import build_strategy
 from framework.precision import Precision
 from framework.task import Task
@@ -72,8 +73,14 @@ class Trainer:
         if not isinstance(self.task, Task):
             raise ConfigError(f"task._target_={cfg.task._target_!r}: expected a framework.task.Task subclass")
         self.task.to(self.device)
-        self.optimizer = build_optimizer(cfg.optimizer, self.task)
-        self.scheduler = build_scheduler(cfg.scheduler, self.optimizer)
+        self.optimizer, self.frozen = build_optimizer(cfg.optimizer, self.task.model)
+        self.train_batches = _limit(1 if self.fast_dev_run else t.limit_train_batches, self.data.num_batches("train"))
+        if self.train_batches == 0:
+            raise ConfigError("data.train: the training set gives no batch (is it empty, or smaller than "
+                              "data.batch_size with data.drop_last=true?)")
+        self.steps_per_epoch = math.ceil(self.train_batches / self.accumulate)
+        self.scheduler = build_scheduler(cfg.scheduler, self.optimizer, max_steps=self.max_steps,
+                                         max_epochs=self.max_epochs, steps_per_epoch=self.steps_per_epoch)
         self.precision = Precision(cfg.precision.mode.value, self.device)
         self.params = [p for p in self.task.parameters() if p.requires_grad]
         if t.compile:
@@ -85,11 +92,6 @@ class Trainer:
                                         and not self.fast_dev_run)
         self.bar = ProgressBar(enabled=rank_zero and cfg.logger.progress_bar)
 
-        self.train_batches = _limit(1 if self.fast_dev_run else t.limit_train_batches, self.data.num_batches("train"))
-        if self.train_batches == 0:
-            raise ConfigError("data.train: the training set gives no batch (is it empty, or smaller than "
-                              "data.batch_size with data.drop_last=true?)")
-        self.steps_per_epoch = math.ceil(self.train_batches / self.accumulate)
         self.step = 0  # optimizer steps taken
         self.epoch = 0  # epochs completed
         self.batch_in_epoch = 0  # batches of the current epoch already consumed
@@ -103,7 +105,10 @@ class Trainer:
     # ------------------------------------------------------------------ fit
     def fit(self) -> dict[str, Any]:
         start = time.perf_counter()
-        self.logger.log_text("config", "```yaml\n" + OmegaConf.to_yaml(self.cfg, resolve=True) + "```")
+        self._describe_setup()
+        if self.cfg.trainer.dry_run:
+            self.logger.close()
+            return {}
         try:
             while not self._finished():
                 self._train_epoch()
@@ -125,6 +130,28 @@ class Trainer:
             write_json(self.run_dir / "summary.json", summary)
             print_summary(summary, self.run_dir)
         return summary
+
+    def _describe_setup(self) -> None:
+        """What a user checks before trusting a run: parameter groups, LR plan, config (and, in a dry run,
+        the model summary). Printed and written by rank 0 only."""
+        if not self.strategy.is_rank_zero:
+            return
+        log.info("Parameter groups:\n%s", format_groups(self.optimizer, self.frozen))
+        write_json(self.run_dir / "param_groups.json", describe_groups(self.optimizer))
+        plan = lr_plan(self.scheduler, self.optimizer, self.steps_per_epoch) if self.scheduler else {}
+        for name, points in plan.items():
+            for step, lr in points:
+                self.logger.log_metrics({f"lr_plan/{name}": lr}, step)
+        self.logger.log_text("config", "```yaml\n" + OmegaConf.to_yaml(self.cfg, resolve=True) + "```")
+        if self.cfg.trainer.dry_run:
+            batch = move_to(next(iter(self.data.batches("train"))), self.device)
+            model = self.strategy.unwrap(self.task.model)
+            log.info("Model:\n%s", summarize(model, lambda: self.task.validation_step(batch)))
+            for name, points in plan.items():
+                shown = [points[round(i * (len(points) - 1) / 10)] for i in range(11)]
+                log.info("LR plan of group '%s' (step: lr): %s", name,
+                         ", ".join(f"{step}: {lr:.4g}" for step, lr in shown))
+            log.info("Dry run: everything built; exiting without training (trainer.dry_run=true).")
 
     def _finished(self) -> bool:
         if self.max_steps > 0:  # max_steps, when set, alone decides the length of the run
