@@ -1,9 +1,14 @@
-"""Datasets for the built-in presets. Nothing here downloads: files are read from a local `root`."""
+"""Datasets for the built-in presets. Nothing here downloads: files are read from a local `root`.
+
+torchvision is imported inside the functions that need it: it costs about a second of start-up, and the
+default (digits) runs never use it.
+"""
 from __future__ import annotations
 
 import functools
 import importlib.util
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -13,6 +18,9 @@ from framework.errors import ConfigError
 from framework.reproducibility import generator
 
 SPLITS = ("train", "val", "test")
+# torchvision's MNIST wants all four, whichever split it reads.
+MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+               "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
 @functools.lru_cache(maxsize=1)
@@ -50,3 +58,52 @@ def holdout(dataset: torch.utils.data.Dataset, part: str, val_fraction: float = 
     order = torch.randperm(len(dataset), generator=generator(split_seed)).tolist()
     n_val = round(len(dataset) * val_fraction)
     return torch.utils.data.Subset(dataset, order[:n_val] if part == "val" else order[n_val:])
+
+
+def mnist(root: str, train: bool = True, transform: Optional[Callable] = None) -> torch.utils.data.Dataset:
+    """torchvision's MNIST reader on local idx files; a missing file is reported by name.
+
+    (torchvision alone says "Dataset not found. You can use download=True", which names no file and
+    suggests a download that cannot happen here.)
+    """
+    import torchvision
+
+    raw = Path(root) / "MNIST" / "raw"
+    missing = [name for name in MNIST_FILES if not (raw / name).is_file()]
+    if missing:
+        raise ConfigError(f"data.root={root!r}: no {', '.join(missing)} in {raw}; expected the uncompressed "
+                          "MNIST idx files in <data.root>/MNIST/raw (gunzip the official *.gz files there)")
+    return torchvision.datasets.MNIST(root, train=train, transform=transform, download=False)
+
+
+def image_folder(root: str, split: str, num_classes: int,
+                 transform: Optional[Callable] = None) -> torch.utils.data.Dataset:
+    """torchvision's ImageFolder on `root/split`, checked against `root/train` and `data.num_classes`.
+
+    ImageFolder numbers each folder's classes on its own, so a val folder missing a class would silently
+    shift every later label; and a `num_classes` other than the number of class folders either fails
+    mid-run (too few model outputs) or trains without a word (too many). Both are refused up front.
+    """
+    from torchvision.datasets import ImageFolder
+    from torchvision.datasets.folder import find_classes
+
+    def classes(name: str) -> list[str]:
+        folder = Path(root) / name
+        if not folder.is_dir():
+            raise ConfigError(f"data.root={root!r}: no folder {folder}; expected "
+                              f"<data.root>/{name}/<class>/<image files>")
+        try:
+            return find_classes(folder)[0]
+        except FileNotFoundError:
+            raise ConfigError(f"data.root={root!r}: no class folders in {folder}; expected "
+                              f"<data.root>/{name}/<class>/<image files>") from None
+
+    names = classes("train")
+    if len(names) != num_classes:
+        raise ConfigError(f"data.num_classes={num_classes}: {Path(root) / 'train'} has {len(names)} class "
+                          f"folders ({', '.join(names)}); set data.num_classes={len(names)}")
+    others = classes(split) if split != "train" else names
+    if others != names:
+        raise ConfigError(f"data.root={root!r}: the class folders of {split}/ ({', '.join(others)}) differ "
+                          f"from those of train/ ({', '.join(names)}); expected the same class folders")
+    return ImageFolder(str(Path(root) / split), transform=transform)
