@@ -102,7 +102,7 @@ class DataModule:
         self.shuffle, self.drop_last = shuffle, drop_last
         self.loader_options: dict[str, Any] = {
             "num_workers": num_workers,
-            "pin_memory": pin_memory,
+            "pin_memory": pin_memory and torch.cuda.is_available(),  # pinning without a GPU only warns
             "persistent_workers": persistent_workers and num_workers > 0,
             "prefetch_factor": prefetch_factor if num_workers > 0 else None,
         }

@@ -57,7 +57,7 @@ def test_grad_clip_value_bounds_each_element(compose, tmp_path):
 
 
 def test_limit_train_batches_as_count_and_as_fraction(compose, tmp_path):
-    # digits: 1259 training images / 64 per batch = 20 batches per epoch
+    # digits: 1257 training images / 64 per batch = 20 batches per epoch
     count = make_trainer(compose, tmp_path / "a", "trainer.max_epochs=2", "trainer.limit_train_batches=3",
                          "trainer.test=false")
     count.fit()
