@@ -9,10 +9,10 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import Container, DictConfig, ListConfig, Node
 from omegaconf.errors import OmegaConfBaseException
 
 from framework import config
@@ -23,17 +23,39 @@ log = logging.getLogger(__name__)
 config.register()
 
 
+def _nodes(container: Container, key: str = "") -> Iterator[tuple[str, Container, Any, Node]]:
+    """Every node under `container` as (full key, parent, name in parent, node), without resolving anything."""
+    names: Iterable[Any] = range(len(container)) if isinstance(container, ListConfig) else container.keys()
+    for name in names:
+        node = container._get_node(name)
+        full_key = f"{key}[{name}]" if isinstance(container, ListConfig) else f"{key}.{name}" if key else str(name)
+        yield full_key, container, name, node
+        if isinstance(node, Container) and not (node._is_missing() or node._is_none() or node._is_interpolation()):
+            yield from _nodes(node, full_key)
+
+
 def resolve_all(cfg: DictConfig) -> None:
-    """Resolve every interpolation and `???` now, so a broken one is reported by its key before anything runs."""
-    try:
-        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None) or "config"
-        message = str(err).splitlines()[0]
-        raise ConfigError(f"{key}: {message}") from None
+    """Report every `???` left unset, then the first interpolation that does not resolve, by their keys,
+    before anything runs (a missing value would otherwise surface as the key of whatever interpolates it)."""
+    nodes = list(_nodes(cfg))
+    missing = [key for key, _, _, node in nodes if node._is_missing() and not node._is_interpolation()]
+    if missing:
+        unset = ", ".join(f"{key}=???" for key in missing)
+        example = " ".join(f"{key}=VALUE" for key in missing)
+        raise ConfigError(f"{unset}: no value given (??? marks a value you must set); "
+                          f"expected a value on the command line, e.g. {example}")
+    for key, parent, name, node in nodes:
+        if node._is_interpolation():
+            try:
+                parent[name]  # reading a node resolves it
+            except OmegaConfBaseException as err:
+                raise ConfigError(f"{key}={node._value()!r} cannot be resolved: {str(err).splitlines()[0]}; "
+                                  "expected ${other.key} naming a key that exists, or a registered resolver "
+                                  "such as ${oc.env:NAME}") from None
 
 
 def check_paths(cfg: DictConfig) -> None:
+    """A missing data folder is the most common first-run mistake; say which key to set before loading."""
     root = cfg.data.get("root")
     if root is not None and not Path(root).is_dir():
         raise ConfigError(f"data.root={root!r}: no such directory (relative paths start at {os.getcwd()}); "
@@ -41,6 +63,7 @@ def check_paths(cfg: DictConfig) -> None:
 
 
 def main(cfg: DictConfig) -> Any:
+    """Run the job; a `UserError` becomes one `Error: ...` line and exit code 1 (HYDRA_FULL_ERROR=1 re-raises)."""
     try:
         resolve_all(cfg)
         config.validate(cfg)

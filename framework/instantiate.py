@@ -3,45 +3,70 @@
 Hydra's `instantiate` does the building; before calling it we check, for every node in the tree, that the
 target imports and that each key is an argument the target accepts, so a typo such as
 `+optimizer.momentm=0.9` is reported as that key rather than as a TypeError deep inside a constructor.
+A constructor that raises (a dataset whose files are missing, a learning rate of -1) is reported as the
+config key of the node that failed, with the values it was given.
 """
 from __future__ import annotations
 
+import difflib
 import inspect
-from typing import Any, Iterable
+import re
+import types
+import typing
+from typing import Any, Callable, Iterable
 
 import hydra.utils
+from hydra._internal.utils import _locate  # what `instantiate` resolves targets with; the public
+# `hydra.utils.get_object` also logs a multi-line error of its own before raising
 from hydra.errors import InstantiationException
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, Node, OmegaConf
 
-from framework.errors import ConfigError
+from framework.errors import ConfigError, UserError
 
 _RESERVED = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
+_FULL_ERROR_HINT = "(HYDRA_FULL_ERROR=1 shows the traceback)"
 
 
-def locate(target: str, key: str) -> Any:
+def locate(target: Any, key: str) -> Any:
     """Import a dotted path, or raise a ConfigError naming `key`."""
+    if not isinstance(target, str):
+        raise ConfigError(f"{key}._target_={target!r}: expected a dotted path to a class or function, "
+                          "e.g. torch.nn.Linear")
     try:
-        return hydra.utils.get_object(target)
-    except Exception as err:  # ImportError, AttributeError, ValueError from Hydra's locator
-        reason = str(err).splitlines()[0]
-        raise ConfigError(f"{key}._target_={target!r} cannot be imported ({reason}); "
+        return _locate(target)
+    except Exception as err:  # ImportError or ValueError from Hydra's locator; the cause says what is missing
+        raise ConfigError(f"{key}._target_={target!r} cannot be imported: {_first_line(err.__cause__ or err)}; "
                           "expected a dotted path to a class or function, e.g. torch.nn.Linear") from None
 
 
 def _parameters(obj: Any) -> dict[str, inspect.Parameter] | None:
-    """The named parameters `obj` accepts, or None when it takes **kwargs or has no inspectable signature."""
+    """The named parameters `obj` accepts, or None when it takes **kwargs or has no inspectable signature.
+
+    Annotations are evaluated where they can be (modules with `from __future__ import annotations` keep them
+    as strings), so that `_check_type` can read them.
+    """
     try:
-        params = inspect.signature(obj).parameters
+        signature = inspect.signature(obj)
     except (TypeError, ValueError):
         return None
+    try:
+        signature = inspect.signature(obj, eval_str=True)
+    except Exception:  # an annotation naming something not importable at run time: leave them as strings
+        pass
+    params = signature.parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return None
     return {name: p for name, p in params.items()
             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
 
 
-def check(node: Any, key: str, provided: Iterable[str] = (), partial: bool = False) -> None:
-    """Check every `_target_` in the tree under `node`: importable, and every key an accepted argument."""
+def check(node: Any, key: str, provided: Iterable[str] = ()) -> None:
+    """Check every `_target_` in the tree under `node`: importable, every key an accepted argument of a plain
+    type the target declares, and every required argument set.
+
+    `provided` names the arguments the framework passes itself at call time (e.g. `params` for an optimizer);
+    they are not expected in the config, and the target must accept them.
+    """
     if isinstance(node, ListConfig):
         for i, item in enumerate(node):
             check(item, f"{key}[{i}]")
@@ -57,27 +82,120 @@ def check(node: Any, key: str, provided: Iterable[str] = (), partial: bool = Fal
     params = _parameters(locate(target, key))
     if params is None:
         return
-    given = {str(name) for name in node if name not in _RESERVED} | set(provided)
-    for name in sorted(given - set(params)):
-        value = OmegaConf.select(node, name) if name in node else None
-        raise ConfigError(f"{key}.{name}={value!r}: {target} has no argument '{name}'; "
-                          f"expected one of: {', '.join(params) or '(none)'}")
-    if partial or node.get("_partial_", False):
+    provided = set(provided)
+    unaccepted = sorted(provided - set(params))
+    if unaccepted:
+        name = unaccepted[0]
+        raise ConfigError(f"{key}._target_={target!r}: it takes no argument '{name}', which the framework "
+                          f"passes; expected a class or function with a '{name}' argument")
+    settable = [name for name in params if name not in provided]
+    given = [str(name) for name in node if name not in _RESERVED]
+    unknown = sorted(set(given) - set(params))
+    if unknown:
+        name = unknown[0]
+        close = difflib.get_close_matches(name, settable, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise ConfigError(f"{key}.{name}={_raw(node, name)!r}: {target} has no argument '{name}'; "
+                          f"{hint}expected one of: {', '.join(settable) or '(none)'}")
+    for name in given:
+        _check_type(node, name, params[name], f"{key}.{name}", target)
+    if node.get("_partial_", False) or "_args_" in node:  # the user's own partial, or positional arguments
         return
     for name, p in params.items():
-        if p.default is inspect.Parameter.empty and name not in given:
-            raise ConfigError(f"{key}: {target} needs the argument '{name}'; add it with +{key}.{name}=VALUE")
+        if p.default is inspect.Parameter.empty and name not in node and name not in provided:
+            raise ConfigError(f"{key}.{name} is not set: {target} needs the argument '{name}'; "
+                              f"expected it in the config, e.g. +{key}.{name}=VALUE")
+
+
+# Plain annotations we check values against, and the config values each accepts (bool is not a number here).
+_ACCEPTS: dict[type, tuple[type, ...]] = {int: (int,), float: (int, float), bool: (bool,)}
+_DESCRIBE = {int: "a whole number", float: "a number", bool: "true or false"}
+
+
+def _check_type(node: DictConfig, name: str, param: inspect.Parameter, key: str, target: str) -> None:
+    """`task.loss.label_smoothing=abc` would otherwise fail at the first training step, far from its key."""
+    expected = _plain_type(param.annotation)
+    if expected is None:
+        return
+    value = node[name]
+    if value is None or (isinstance(value, _ACCEPTS[expected]) and (expected is bool) == isinstance(value, bool)):
+        return
+    default = param.default
+    example = f", e.g. {key}={_override_text(default)}" if isinstance(default, expected) else ""
+    raise ConfigError(f"{key}={_raw(node, name)!r}: {target} takes '{name}' as {expected.__name__}; "
+                      f"expected {_DESCRIBE[expected]}{example}")
+
+
+def _override_text(value: Any) -> str:
+    """A value as it is written on the command line (Hydra spells booleans true/false)."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def _plain_type(annotation: Any) -> type | None:
+    """int, float or bool for an annotation that is one of them, optionally Optional; None for anything else."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        others = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        annotation = others[0] if len(others) == 1 else None
+    return annotation if annotation in _ACCEPTS else None
 
 
 def build(node: DictConfig, key: str, *, partial: bool = False, provided: Iterable[str] = ()) -> Any:
     """Instantiate `node` (found at config key `key`). With `partial`, return a callable still waiting for
     the arguments named in `provided` (used for objects that need runtime values, e.g. model parameters)."""
-    check(node, key, provided=provided, partial=partial)
+    check(node, key, provided=provided)
     try:
-        return hydra.utils.instantiate(node, _partial_=partial, _convert_="all")
+        obj = hydra.utils.instantiate(node, _partial_=partial, _convert_="all")
     except InstantiationException as err:
-        cause = err.__cause__ or err
-        raise ConfigError(f"{key}: building {node.get('_target_')} failed: {_first_line(cause)}") from err
+        if isinstance(err.__cause__, UserError):  # a constructor of ours already said what is wrong
+            raise err.__cause__ from None
+        raise _failure(node, key, err) from err
+    return _reporting_failures(obj, node, key) if partial else obj
+
+
+def _reporting_failures(factory: Callable[..., Any], node: DictConfig, key: str) -> Callable[..., Any]:
+    """Wrap a partial so that the constructor raising at call time is reported like a failed `instantiate`
+    (Hydra wraps errors of eager construction, but a partial's call is ours)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return factory(*args, **kwargs)
+        except UserError:
+            raise
+        except Exception as err:
+            raise ConfigError(_failure_message(node, key, node.get("_target_"), err)) from err
+
+    return call
+
+
+def _failure(node: DictConfig, key: str, err: InstantiationException) -> ConfigError:
+    """The node that failed may be nested (e.g. `data.train.dataset`): Hydra names it as `full_key: ...`."""
+    match = re.search(r"^full_key: (.+)$", str(err), flags=re.MULTILINE)
+    failed_key = match.group(1) if match else key
+    if not failed_key.startswith(key):  # `node` had no parent (e.g. a masked copy): the key is relative
+        failed_key = f"{key}.{failed_key}"
+    relative = failed_key[len(key):].lstrip(".")
+    failed = OmegaConf.select(node, relative) if relative else node
+    if not isinstance(failed, DictConfig):
+        failed = node
+    return ConfigError(_failure_message(failed, failed_key, failed.get("_target_"), err.__cause__ or err))
+
+
+def _failure_message(node: DictConfig, key: str, target: Any, err: BaseException) -> str:
+    """`KEY: TARGET(arg=value, ...) raised Error: message`, with the node's plain values (not nested objects)."""
+    args = ", ".join(f"{name}={node[name]!r}" for name in node
+                     if name not in _RESERVED and _is_plain(node._get_node(name)))
+    return f"{key}: {target}({args}) raised {_first_line(err)}; expected values it accepts {_FULL_ERROR_HINT}"
+
+
+def _is_plain(node: Node) -> bool:
+    """A scalar, None, or a list of scalars: short enough to show in a one-line message."""
+    if isinstance(node, ListConfig) and not node._is_none():
+        return all(not OmegaConf.is_config(item) for item in node)
+    return not isinstance(node, DictConfig) or node._is_none()
+
+
+def _raw(node: DictConfig, name: str) -> Any:
+    """The value as the user wrote it (an interpolation stays `${...}`), for messages."""
+    return node._get_node(name)._value()
 
 
 def _first_line(err: BaseException) -> str:
