@@ -1,8 +1,11 @@
 """Entry point: Hydra composes conf/ and hands the config to the framework."""
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
 import framework.app
+import framework.launch
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -11,4 +14,5 @@ def main(cfg: DictConfig) -> object:
 
 
 if __name__ == "__main__":
+    sys.argv += framework.launch.rank_zero_only_overrides()  # under torchrun: one run directory, from rank 0
     main()

@@ -5,6 +5,7 @@ User mistakes (`UserError`) end the run with one line on stderr and exit code 1,
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -12,11 +13,12 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import Container, DictConfig, ListConfig, Node
+from omegaconf import Container, DictConfig, ListConfig, Node, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework import config
 from framework.errors import ConfigError, UserError
+from framework.launch import WorkerFailed, spawn
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +70,28 @@ def main(cfg: DictConfig) -> Any:
         resolve_all(cfg)
         config.validate(cfg)
         check_paths(cfg)
-        from framework.trainer import Trainer  # imported after validation: a bad config fails fast
-
-        return Trainer(cfg, Path(HydraConfig.get().runtime.output_dir)).fit()
+        return launch(cfg, Path(HydraConfig.get().runtime.output_dir))
     except UserError as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         log.error("Error: %s", err)
         sys.exit(1)
+    except WorkerFailed as err:  # a bug in a spawned worker: its traceback is the useful part
+        log.error("Error: a worker process failed:\n%s", err)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        log.error("Interrupted.")
+        sys.exit(130)
+
+
+def launch(cfg: DictConfig, run_dir: Path) -> Any:
+    """In this process, or, for parallel=ddp without a launcher, in one spawned process per device."""
+    from framework.parallel import default_devices, under_launcher  # imported after validation: fail fast
+
+    if cfg.parallel.strategy == "ddp" and not under_launcher():
+        OmegaConf.resolve(cfg)  # spawned workers have no HydraConfig to resolve `${hydra:...}` with
+        spawn(cfg, run_dir, cfg.parallel.devices or default_devices())
+        return json.loads((run_dir / "summary.json").read_text())
+    from framework.trainer import Trainer
+
+    return Trainer(cfg, run_dir).fit()

@@ -1,11 +1,16 @@
 """Where a run executes: one device (`single`), nn.DataParallel (`dp`), or one process per device (`ddp`).
 
 A strategy only places and wraps: it picks the device, wraps the model for training, unwraps it for
-everything saved or logged, reduces tensors across processes and says which rank does I/O.
+everything saved or logged, reduces tensors across processes and says which rank does I/O. Launching the
+processes is not its job (framework/app.py spawns them, or torchrun did); it joins the process group that
+the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) describes.
 """
 from __future__ import annotations
 
+import datetime
 import logging
+import os
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,14 +19,26 @@ from framework.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
-def pick_device(requested: str) -> torch.device:
+
+def pick_device(requested: str, local_rank: int = 0) -> torch.device:
     if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(requested)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"trainer.device={requested!r}: no CUDA device is visible; expected 'auto' or 'cpu'")
     return device
+
+
+def under_launcher() -> bool:
+    """True when a launcher (torchrun, or our own spawn) already set the process-group environment."""
+    return all(name in os.environ for name in DISTRIBUTED_ENV)
+
+
+def default_devices() -> int:
+    """Processes for parallel=ddp when parallel.devices is not set: one per GPU, or 2 on CPU."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
 class Strategy:
@@ -47,8 +64,19 @@ class Strategy:
             model = model.module
         return getattr(model, "_orig_mod", model)  # torch.compile's wrapper
 
+    def for_eval(self, model: nn.Module) -> nn.Module:
+        """The module evaluation runs through (DDP's wrapper is for training only)."""
+        return model
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        return obj
 
     def teardown(self) -> None:
         pass
@@ -63,13 +91,70 @@ class DataParallelStrategy(Strategy):
         return nn.DataParallel(model)
 
 
-def build_strategy(parallel_cfg, device: str) -> Strategy:
+class DDPStrategy(Strategy):
+    """One process per device in a torch.distributed process group: nccl on CUDA, gloo on CPU."""
+
+    name = "ddp"
+
+    def __init__(self, parallel_cfg: Any, device: str) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        super().__init__(pick_device(device, self.local_rank))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        elif "OMP_NUM_THREADS" not in os.environ:  # processes sharing a CPU must not oversubscribe its cores
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        self.find_unused_parameters = parallel_cfg.find_unused_parameters
+        self.static_graph = parallel_cfg.static_graph
+        if not dist.is_initialized():
+            backend = parallel_cfg.backend or ("nccl" if self.device.type == "cuda" else "gloo")
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=parallel_cfg.timeout_s),
+                                    rank=self.rank, world_size=self.world_size)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids,
+                                                   find_unused_parameters=self.find_unused_parameters,
+                                                   static_graph=self.static_graph)
+
+    def for_eval(self, model: nn.Module) -> nn.Module:
+        # Ranks evaluate uneven shards; the plain module runs no collective that would wait for the others.
+        return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.dist.all_reduce(tensor)
+        return tensor
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world_size
+        self.dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def broadcast_object(self, obj: Any) -> Any:
+        holder = [obj]
+        self.dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    def teardown(self) -> None:
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+
+def build_strategy(parallel_cfg: Any, device: str) -> Strategy:
+    if parallel_cfg.strategy == "ddp":
+        if not under_launcher():
+            raise RuntimeError("parallel=ddp needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: start it "
+                               "with `python run.py parallel=ddp` (which spawns the workers) or torchrun")
+        return DDPStrategy(parallel_cfg, device)
     chosen = pick_device(device)
     if parallel_cfg.strategy == "dp":
         if chosen.type == "cuda" and torch.cuda.device_count() >= 2:
             return DataParallelStrategy(torch.device("cuda", 0))
         log.info("parallel=dp needs at least two GPUs; %d visible, so running as single",
                  torch.cuda.device_count())
-    if parallel_cfg.strategy == "ddp":
-        raise ConfigError("parallel=ddp: not available yet in this version; expected parallel=single or dp")
     return Strategy(chosen)

@@ -61,6 +61,8 @@ class Trainer:
         reproducibility.seed_everything(cfg.seed)
         self.strategy = build_strategy(cfg.parallel, t.device)
         self.device = self.strategy.device
+        # Under torchrun only rank 0 made a run directory (see app.py); every rank uses that one.
+        self.run_dir = Path(self.strategy.broadcast_object(str(run_dir)))
 
         self.data = build(cfg.data, "data")
         if not isinstance(self.data, DataModule):
@@ -88,7 +90,7 @@ class Trainer:
         self.task.model = self.strategy.wrap(self.task.model)
 
         rank_zero = self.strategy.is_rank_zero
-        self.logger = TensorBoardLogger(run_dir, enabled=rank_zero and cfg.logger.tensorboard
+        self.logger = TensorBoardLogger(self.run_dir, enabled=rank_zero and cfg.logger.tensorboard
                                         and not self.fast_dev_run)
         self.bar = ProgressBar(enabled=rank_zero and cfg.logger.progress_bar)
 
@@ -126,6 +128,7 @@ class Trainer:
         finally:
             self.bar.close()
             self.logger.close()
+            self.strategy.teardown()
         if self.strategy.is_rank_zero:
             write_json(self.run_dir / "summary.json", summary)
             print_summary(summary, self.run_dir)
@@ -136,6 +139,9 @@ class Trainer:
         the model summary). Printed and written by rank 0 only."""
         if not self.strategy.is_rank_zero:
             return
+        per_device, world = self.data.batch_size, self.strategy.world_size
+        log.info("Global batch: %d per process x %d process%s x %d accumulated = %d samples per optimizer step",
+                 per_device, world, "es" if world > 1 else "", self.accumulate, per_device * world * self.accumulate)
         log.info("Parameter groups:\n%s", format_groups(self.optimizer, self.frozen))
         write_json(self.run_dir / "param_groups.json", describe_groups(self.optimizer))
         plan = lr_plan(self.scheduler, self.optimizer, self.steps_per_epoch) if self.scheduler else {}
@@ -213,6 +219,9 @@ class Trainer:
         metrics = {"train/loss": mean, "epoch": float(self.epoch)}
         for name, group in zip(group_names(self.optimizer), self.optimizer.param_groups):
             metrics[f"lr/{name}"] = group["lr"]
+        if self.precision.scaler is not None:
+            metrics["amp/scale"] = self.precision.scaler.get_scale()
+            metrics["amp/skipped_steps"] = float(self.precision.skipped_steps)
         self.logger.log_metrics(metrics, self.step)
         self.bar.show({"train/loss": mean})
         self._record({"train/loss": mean})
@@ -239,6 +248,8 @@ class Trainer:
         t = self.cfg.trainer
         limit = 1 if self.fast_dev_run else (t.limit_val_batches if split == "val" else t.limit_test_batches)
         step_fn = self.task.validation_step if split == "val" else self.task.test_step
+        wrapped = self.task.model
+        self.task.model = self.strategy.for_eval(wrapped)
         self.task.eval()
         sums: dict[str, torch.Tensor] = {}
         count = 0
@@ -252,10 +263,14 @@ class Trainer:
                 sums[name] = sums[name] + weighted if name in sums else weighted
             count += n
         self.task.train()
-        totals = torch.stack([*sums.values(), torch.tensor(float(count), device=self.device)])
+        self.task.model = wrapped
+        # A rank whose shard gave no batch knows no metric names: agree on them before reducing.
+        names = list(dict.fromkeys(n for ranks in self.strategy.gather_objects(list(sums)) for n in ranks))
+        zero = torch.zeros((), device=self.device)
+        totals = torch.stack([*(sums.get(n, zero) for n in names), torch.tensor(float(count), device=self.device)])
         totals = self.strategy.all_reduce_sum(totals)
-        values = (totals[:-1] / totals[-1]).tolist() if count else [math.nan] * len(sums)
-        metrics = {f"{split}/{name}": value for name, value in zip(sums, values)}
+        values = (totals[:-1] / totals[-1]).tolist() if totals[-1] > 0 else [math.nan] * len(names)
+        metrics = {f"{split}/{name}": value for name, value in zip(names, values)}
         self.logger.log_metrics(metrics, self.step)
         return metrics
 

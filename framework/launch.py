@@ -1,0 +1,96 @@
+"""Starting the processes of `parallel=ddp` when no launcher did, and keeping torchrun's ranks in one run.
+
+`python run.py parallel=ddp` spawns one worker per device with torch.multiprocessing (loopback rendezvous
+on a free port); the parent only waits. torch's process context watches the workers: when one fails, the
+others are terminated (SIGTERM, then SIGKILL after a grace period), so a failure never hangs the job.
+Under torchrun the environment is already set and nothing is spawned here.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from framework.errors import UserError
+
+log = logging.getLogger(__name__)
+
+GRACE_PERIOD_S = 10.0
+
+
+def rank_zero_only_overrides() -> list[str]:
+    """Hydra overrides for a non-zero rank under torchrun: every rank runs Hydra, and without these each
+    would make its own timestamped run directory. Rank 0 makes the one directory and tells the others."""
+    if os.environ.get("RANK", "0") == "0":
+        return []
+    return ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=quiet"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerFailed(Exception):
+    """A worker died of a bug (not a user mistake): carries its traceback text."""
+
+
+def spawn(cfg: DictConfig, run_dir: Path, nprocs: int) -> None:
+    """Run the Trainer in `nprocs` fresh processes and wait; raise the first failure."""
+    import torch.multiprocessing as mp  # imported here: run.py imports this module before any config check
+
+    errors = mp.get_context("spawn").SimpleQueue()
+    context = mp.start_processes(_worker, args=(nprocs, free_port(), cfg, run_dir, errors), nprocs=nprocs,
+                                 join=False, start_method="spawn")
+    try:
+        while not context.join(grace_period=GRACE_PERIOD_S):
+            pass
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+        if not errors.empty():
+            rank, message = errors.get()
+            raise UserError(message if nprocs == 1 else f"[rank {rank}] {message}") from None
+        raise WorkerFailed(str(err).strip()) from None
+    except KeyboardInterrupt:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in context.processes:
+            process.join(GRACE_PERIOD_S)
+            if process.is_alive():
+                process.kill()
+        raise
+
+
+def _configure_logging(rank: int, run_dir: Path) -> None:
+    """Spawned workers start without Hydra's logging: rank 0 logs like the parent would, others stay quiet."""
+    root = logging.getLogger()
+    root.handlers.clear()
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter("%(message)s"))
+    root.addHandler(console)
+    if rank == 0:
+        file = logging.FileHandler(run_dir / "run.log")
+        file.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        root.addHandler(file)
+    root.setLevel(logging.INFO if rank == 0 else logging.ERROR)
+
+
+def _worker(rank: int, world_size: int, port: int, cfg: DictConfig, run_dir: Path, errors: Any) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _configure_logging(rank, run_dir)
+    from framework.trainer import Trainer
+
+    try:
+        Trainer(cfg, run_dir).fit()
+    except UserError as err:  # reported once, by the parent, without a traceback
+        errors.put((rank, str(err)))
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)

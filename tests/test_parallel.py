@@ -1,0 +1,134 @@
+"""DDP on CPU with real gloo process groups: gradient averaging, exact metric reduction on uneven shards,
+both launch ways leaving one run directory, and a failing rank ending the job without a hang."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from conftest import ROOT, output
+from framework.launch import free_port
+from framework.task import ClassificationTask, StepOutput
+from framework.trainer import Trainer
+
+TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+
+
+def _ddp_worker(rank: int, world: int, port: int, cfg: Any, run_dir: Path) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    trainer = Trainer(cfg, run_dir)
+    trainer.fit()
+    if rank == 0:
+        save_file(trainer.strategy.unwrap(trainer.task.model).state_dict(), str(run_dir / "weights.safetensors"))
+
+
+def run_ddp(cfg: Any, run_dir: Path, world: int = 2) -> dict[str, torch.Tensor]:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_ddp_worker, args=(world, free_port(), cfg, run_dir), nprocs=world, start_method="spawn")
+    return load_file(str(run_dir / "weights.safetensors"))
+
+
+def job_cfg(compose, *overrides: str):
+    from omegaconf import OmegaConf
+
+    cfg = compose("logger.progress_bar=false", "trainer.test=false", *overrides)
+    OmegaConf.resolve(cfg)  # spawned workers have no HydraConfig to resolve `${hydra:...}` with
+    return cfg
+
+
+def test_two_processes_with_batch_b_match_one_process_with_batch_2b(compose, tmp_path):
+    common = ("trainer.max_steps=8", "trainer.limit_val_batches=1")
+    ddp = run_ddp(job_cfg(compose, "parallel=ddp", "data.batch_size=32", *common), tmp_path / "ddp")
+    single = Trainer(job_cfg(compose, "data.batch_size=64", *common), tmp_path / "single")
+    single.fit()
+    expected = single.task.model.state_dict()
+    assert set(ddp) == set(expected)  # unwrapped: no `module.` prefix
+    for name, value in expected.items():
+        torch.testing.assert_close(ddp[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_validation_metrics_are_exact_over_uneven_shards(compose, tmp_path):
+    # 271 validation images: shards of 136 and 135, in batches of 50 (uneven counts and batch sizes)
+    shape = ("data.train.val_fraction=0.151", "data.eval_batch_size=50", "trainer.max_steps=5")
+    weights = run_ddp(job_cfg(compose, "parallel=ddp", *shape), tmp_path / "ddp")
+    reported = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    single = Trainer(job_cfg(compose, *shape), tmp_path / "single")
+    assert len(single.data.datasets["val"]) == 271
+    single.task.model.load_state_dict(weights)
+    local = single._evaluate("val")
+    assert reported["val/acc"] == pytest.approx(local["val/acc"], abs=1e-7)
+    assert reported["val/loss"] == pytest.approx(local["val/loss"], rel=1e-5)
+    assert reported["world_size"] == 2
+
+
+def _run_dirs(cwd: Path) -> list[Path]:
+    return [p for p in (cwd / "outputs").glob("*/*") if p.is_dir()]
+
+
+def _cli(cwd: Path, *args: str, timeout: float = 240, env: dict[str, str] | None = None):
+    full_env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    full_env.update(env or {})
+    return subprocess.run(list(args), cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+QUICK = ("logger.progress_bar=false", "trainer.max_epochs=2", "trainer.limit_train_batches=4")
+
+
+def test_spawned_ddp_leaves_one_run_directory(tmp_path):
+    proc = _cli(tmp_path, sys.executable, str(ROOT / "run.py"), "parallel=ddp", *QUICK)
+    assert proc.returncode == 0, output(proc)
+    (run_dir,) = _run_dirs(tmp_path)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["step"] == 8
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert output(proc).count("Done in") == 1  # only rank 0 reports
+
+
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun not installed next to this python")
+def test_torchrun_leaves_one_run_directory(tmp_path):
+    proc = _cli(tmp_path, TORCHRUN, "--standalone", "--nproc-per-node=2", str(ROOT / "run.py"), "parallel=ddp",
+                *QUICK)
+    assert proc.returncode == 0, output(proc)
+    (run_dir,) = _run_dirs(tmp_path)
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
+    assert not (tmp_path / ".hydra").exists() and not (tmp_path / "run.log").exists()
+    assert output(proc).count("Done in") == 1
+
+
+class ExplodingTask(ClassificationTask):
+    """Rank 1 raises on its third training step; rank 0 is by then waiting in an all-reduce."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def training_step(self, batch: Any) -> StepOutput:
+        self.calls += 1
+        if self.calls == 3 and os.environ.get("RANK") == "1":
+            raise RuntimeError("boom on rank 1")
+        return super().training_step(batch)
+
+
+def test_a_rank_that_raises_ends_every_rank_without_a_hang(tmp_path):
+    proc = _cli(tmp_path, sys.executable, str(ROOT / "run.py"), "parallel=ddp", "parallel.timeout_s=60",
+                "task._target_=test_parallel.ExplodingTask", *QUICK, timeout=120,
+                env={"PYTHONPATH": str(Path(__file__).parent)})
+    assert proc.returncode != 0
+    assert output(proc).count("boom on rank 1") >= 1 and "Done in" not in output(proc)
+
+
+def test_a_config_error_under_ddp_is_printed_once_without_traceback(tmp_path):
+    proc = _cli(tmp_path, sys.executable, str(ROOT / "run.py"), "parallel=ddp", "+optimizer.momentm=0.9", *QUICK,
+                timeout=120)
+    assert proc.returncode == 1
+    assert output(proc).count("Error:") == 1 and "momentm" in output(proc) and "Traceback" not in output(proc)
