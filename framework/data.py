@@ -16,6 +16,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from framework.errors import ConfigError
 from framework.reproducibility import generator
 
 
@@ -117,7 +118,12 @@ class DataModule:
             if dataset is None:
                 continue
             train = split == "train"
-            sampler = EpochSampler(len(dataset), shuffle=train and self.shuffle, seed=seed, rank=rank,
+            try:
+                size = len(dataset)
+            except Exception as err:  # e.g. a negative size in the dataset's config
+                raise ConfigError(f"data.{split}: len() of {type(dataset).__name__} failed ({err}); "
+                                  f"expected a dataset with a size >= 0") from None
+            sampler = EpochSampler(size, shuffle=train and self.shuffle, seed=seed, rank=rank,
                                    world_size=world_size, pad=train)
             batch_size = self.batch_size if train else self.eval_batch_size
             drop_last = self.drop_last and train

@@ -294,7 +294,9 @@ def _warn_if_senseless(node: DictConfig, interval: str, length: int) -> None:
                     warmup, length, unit)
     step_size = node.get("step_size")
     milestones = node.get("milestones")
-    if (step_size is not None and step_size >= length) or (milestones and min(milestones) >= length):
+    first_milestone = min(milestones) if isinstance(milestones, ListConfig) and len(milestones) else None
+    if (isinstance(step_size, int) and step_size >= length) or (
+            isinstance(first_milestone, int) and first_milestone >= length):
         log.warning("scheduler: the first decay comes after the run ends (%d %s): the learning rate never "
                     "changes", length, unit)
 

@@ -213,7 +213,8 @@ class Trainer:
         if not all_finite:
             first = int((~finite).nonzero()[0])
             bad_step = self._window_first_step + first // self.accumulate + 1
-            raise UserError(f"train/loss became {losses[first].item()} at step {bad_step} (epoch {self.epoch}); "
+            epoch = (bad_step - 1) // self.steps_per_epoch
+            raise UserError(f"train/loss became {losses[first].item()} at step {bad_step} (epoch {epoch}); "
                             f"training stopped, and what was already written in {self.run_dir} is kept. "
                             "Expected a finite loss: try a lower optimizer.lr or set trainer.grad_clip_norm")
         metrics = {"train/loss": mean, "epoch": float(self.epoch)}
