@@ -16,13 +16,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import Container, DictConfig, ListConfig, Node, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework import config
-from framework.errors import ConfigError, UserError
+from framework import config, resume
+from framework.errors import ConfigError, Interrupted, UserError
 from framework.launch import WorkerFailed, spawn
 
 log = logging.getLogger(__name__)
 
 config.register()
+resume.register_resolvers()
 
 
 def _nodes(container: Container, key: str = "") -> Iterator[tuple[str, Container, Any, Node]]:
@@ -70,7 +71,16 @@ def main(cfg: DictConfig) -> Any:
         resolve_all(cfg)
         config.validate(cfg)
         check_paths(cfg)
-        return launch(cfg, Path(HydraConfig.get().runtime.output_dir))
+        hydra_cfg = HydraConfig.get()
+        run_dir = Path(hydra_cfg.runtime.output_dir)
+        checkpoint = resume.find_checkpoint(cfg.resume, run_dir)
+        if checkpoint is not None:
+            cfg = resume.merged_config(cfg, checkpoint.meta["config"], resume.override_keys(hydra_cfg.overrides.task))
+            config.validate(cfg)
+        return launch(cfg, run_dir, checkpoint)
+    except Interrupted as err:  # stopped on a signal after saving: not an error, but not finished either
+        log.warning("%s", err)
+        sys.exit(128 + err.signum)
     except UserError as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
@@ -84,14 +94,15 @@ def main(cfg: DictConfig) -> Any:
         sys.exit(130)
 
 
-def launch(cfg: DictConfig, run_dir: Path) -> Any:
+def launch(cfg: DictConfig, run_dir: Path, checkpoint: Any = None) -> Any:
     """In this process, or, for parallel=ddp without a launcher, in one spawned process per device."""
     from framework.parallel import default_devices, under_launcher  # imported after validation: fail fast
 
     if cfg.parallel.strategy == "ddp" and not under_launcher():
         OmegaConf.resolve(cfg)  # spawned workers have no HydraConfig to resolve `${hydra:...}` with
-        spawn(cfg, run_dir, cfg.parallel.devices or default_devices())
+        spawn(cfg, run_dir, cfg.parallel.devices or default_devices(),
+              checkpoint.path if checkpoint is not None else None)
         return json.loads((run_dir / "summary.json").read_text())
     from framework.trainer import Trainer
 
-    return Trainer(cfg, run_dir).fit()
+    return Trainer(cfg, run_dir, resume_from=checkpoint).fit()

@@ -92,6 +92,9 @@ class ParallelConfig:
 class RootConfig:
     name: str = MISSING
     seed: int = 42
+    resume: Optional[str] = None  # RUN_DIR, CHECKPOINT_DIR or auto
+    init_from: Optional[str] = None  # weights only (fine-tuning)
+    init_strict: bool = True
     model: Any = MISSING
     data: Any = MISSING
     task: Any = MISSING

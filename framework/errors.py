@@ -7,3 +7,11 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """A config value is wrong: the message names the key, the value and what was expected."""
+
+
+class Interrupted(UserError):
+    """The run stopped on a signal after saving `last`; the app exits with 128 + the signal number."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from framework.errors import UserError
+from framework.errors import Interrupted, UserError
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,10 @@ def rank_zero_only_overrides() -> list[str]:
     would make its own timestamped run directory. Rank 0 makes the one directory and tells the others."""
     if os.environ.get("RANK", "0") == "0":
         return []
-    return ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=quiet"]
+    quiet = ["hydra.output_subdir=null", "hydra/job_logging=quiet"]
+    if any(arg.startswith("hydra.run.dir=") for arg in sys.argv):  # fixed by the user: every rank agrees
+        return quiet
+    return ["hydra.run.dir=.", *quiet]
 
 
 def free_port() -> int:
@@ -41,30 +45,41 @@ class WorkerFailed(Exception):
     """A worker died of a bug (not a user mistake): carries its traceback text."""
 
 
-def spawn(cfg: DictConfig, run_dir: Path, nprocs: int) -> None:
-    """Run the Trainer in `nprocs` fresh processes and wait; raise the first failure."""
+def spawn(cfg: DictConfig, run_dir: Path, nprocs: int, checkpoint: Optional[Path] = None) -> None:
+    """Run the Trainer in `nprocs` fresh processes and wait; raise the first failure.
+
+    SIGINT and SIGTERM reaching this process are forwarded to the workers as SIGTERM (they ignore SIGINT,
+    so a Ctrl-C in the terminal reaches each of them exactly once): with checkpoint.on_signal they all
+    stop after the same step and save; a second signal aborts them."""
     import torch.multiprocessing as mp  # imported here: run.py imports this module before any config check
 
     errors = mp.get_context("spawn").SimpleQueue()
-    context = mp.start_processes(_worker, args=(nprocs, free_port(), cfg, run_dir, errors), nprocs=nprocs,
-                                 join=False, start_method="spawn")
+    context = mp.start_processes(_worker, args=(nprocs, free_port(), cfg, run_dir, checkpoint, errors),
+                                 nprocs=nprocs, join=False, start_method="spawn")
+    received: list[int] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         while not context.join(grace_period=GRACE_PERIOD_S):
             pass
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
         if not errors.empty():
-            rank, message = errors.get()
+            rank, message, signum = errors.get()
+            if signum is not None:
+                raise Interrupted(signum, message) from None
             raise UserError(message if nprocs == 1 else f"[rank {rank}] {message}") from None
+        if received:
+            raise KeyboardInterrupt from None
         raise WorkerFailed(str(err).strip()) from None
-    except KeyboardInterrupt:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
-        for process in context.processes:
-            process.join(GRACE_PERIOD_S)
-            if process.is_alive():
-                process.kill()
-        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _configure_logging(rank: int, run_dir: Path) -> None:
@@ -81,16 +96,20 @@ def _configure_logging(rank: int, run_dir: Path) -> None:
     root.setLevel(logging.INFO if rank == 0 else logging.ERROR)
 
 
-def _worker(rank: int, world_size: int, port: int, cfg: DictConfig, run_dir: Path, errors: Any) -> None:
+def _worker(rank: int, world_size: int, port: int, cfg: DictConfig, run_dir: Path, checkpoint: Optional[Path],
+            errors: Any) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent forwards Ctrl-C as SIGTERM, once
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     _configure_logging(rank, run_dir)
+    from framework.checkpoint import open_checkpoint
     from framework.trainer import Trainer
 
     try:
-        Trainer(cfg, run_dir).fit()
+        Trainer(cfg, run_dir, resume_from=open_checkpoint(checkpoint) if checkpoint else None).fit()
     except UserError as err:  # reported once, by the parent, without a traceback
-        errors.put((rank, str(err)))
+        if rank == 0 or not isinstance(err, Interrupted):
+            errors.put((rank, str(err), getattr(err, "signum", None)))
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

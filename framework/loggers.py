@@ -9,18 +9,19 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 
 class TensorBoardLogger:
     """Scalars and text into the run directory's event files (so `tensorboard --logdir outputs` finds them)."""
 
-    def __init__(self, log_dir: Path, enabled: bool = True) -> None:
+    def __init__(self, log_dir: Path, enabled: bool = True, purge_step: Optional[int] = None) -> None:
+        """`purge_step`: on resume, TensorBoard discards this run's events at or after it (no duplicates)."""
         self.writer = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter  # imported only when used: it is slow to import
 
-            self.writer = SummaryWriter(log_dir=str(log_dir), flush_secs=10)
+            self.writer = SummaryWriter(log_dir=str(log_dir), flush_secs=10, purge_step=purge_step)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         if self.writer is not None:

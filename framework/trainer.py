@@ -6,8 +6,10 @@ the module that owns the concern; this file is the only place that knows them al
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import signal
 import math
 import time
 from pathlib import Path
@@ -17,8 +19,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from framework import reproducibility
+from framework.checkpoint import (Checkpoint, CheckpointManager, SignalWatch, check_compatible, load_weights,
+                                  write_checkpoint)
 from framework.data import DataModule
-from framework.errors import ConfigError, UserError
+from framework.errors import ConfigError, Interrupted, UserError
 from framework.instantiate import build
 from framework.loggers import ProgressBar, TensorBoardLogger, print_summary, write_json
 from framework.model_summary import summarize
@@ -48,7 +52,7 @@ def _limit(limit: Union[int, float], available: int) -> int:
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
+    def __init__(self, cfg: DictConfig, run_dir: Path, resume_from: Optional[Checkpoint] = None) -> None:
         self.cfg, self.run_dir = cfg, run_dir
         t = cfg.trainer
         self.fast_dev_run = t.fast_dev_run
@@ -75,6 +79,10 @@ class Trainer:
         if not isinstance(self.task, Task):
             raise ConfigError(f"task._target_={cfg.task._target_!r}: expected a framework.task.Task subclass")
         self.task.to(self.device)
+        if cfg.get("init_from"):
+            weights = load_weights(Path(cfg.init_from))
+            check_compatible(self.task.model, weights, f"init_from={cfg.init_from!r}", cfg.init_strict)
+            self.task.model.load_state_dict(weights, strict=cfg.init_strict)
         self.optimizer, self.frozen = build_optimizer(cfg.optimizer, self.task.model)
         self.train_batches = _limit(1 if self.fast_dev_run else t.limit_train_batches, self.data.num_batches("train"))
         if self.train_batches == 0:
@@ -90,8 +98,17 @@ class Trainer:
         self.task.model = self.strategy.wrap(self.task.model)
 
         rank_zero = self.strategy.is_rank_zero
+        ck = cfg.checkpoint
+        self.checkpoints = CheckpointManager(
+            self.run_dir / "checkpoints", save_last=ck.save_last, every_n_steps=ck.every_n_steps,
+            every_n_epochs=ck.every_n_epochs, keep_last=ck.keep_last, monitor=ck.monitor, mode=ck.mode.value,
+            save_top_k=ck.save_top_k, enabled=rank_zero and not self.fast_dev_run)
+        self.on_signal = ck.on_signal and not self.fast_dev_run
+        self.resume_from = resume_from
+        # On resume, TensorBoard drops whatever the killed run logged after its checkpoint's step.
+        purge_step = resume_from.step + 1 if resume_from is not None else None
         self.logger = TensorBoardLogger(self.run_dir, enabled=rank_zero and cfg.logger.tensorboard
-                                        and not self.fast_dev_run)
+                                        and not self.fast_dev_run, purge_step=purge_step)
         self.bar = ProgressBar(enabled=rank_zero and cfg.logger.progress_bar)
 
         self.step = 0  # optimizer steps taken
@@ -103,25 +120,35 @@ class Trainer:
         self._losses = torch.zeros(self.log_every * self.accumulate + self.accumulate, device=self.device)
         self._n_losses = 0
         self._window_first_step = 0
+        self._saved_step = -1  # step of the newest checkpoint written by this process
 
     # ------------------------------------------------------------------ fit
     def fit(self) -> dict[str, Any]:
         start = time.perf_counter()
+        if self.resume_from is not None:
+            self._restore(self.resume_from)
         self._describe_setup()
         if self.cfg.trainer.dry_run:
             self.logger.close()
             return {}
+        watch = SignalWatch() if self.on_signal else contextlib.nullcontext()
         try:
-            while not self._finished():
-                self._train_epoch()
-                if self.batch_in_epoch >= self.train_batches:  # a whole epoch, not a max_steps stop
-                    self.epoch += 1
-                    self.batch_in_epoch = 0
-                    if self.data.has("val") and self.epoch % self.cfg.trainer.val_every_n_epochs == 0:
-                        self._validate()
+            with watch:
+                while not self._finished():
+                    self._train_epoch(watch)
+                    if self.batch_in_epoch >= self.train_batches:  # a whole epoch, not a max_steps stop
+                        self.epoch += 1
+                        self.batch_in_epoch = 0
+                        val = None
+                        if self.data.has("val") and self.epoch % self.cfg.trainer.val_every_n_epochs == 0:
+                            val = self._validate()
+                        periodic = self.checkpoints.due_periodic(self.step, completed_epochs=self.epoch)
+                        self.checkpoints.save(self.step, self._write_checkpoint, periodic=periodic, metrics=val)
             self._flush_train_log()
             if self.data.has("val") and self._last_val_step != self.step:
                 self._validate()  # the summary always reports the final weights
+            if self.checkpoints.save_last and self._saved_step != self.step:
+                self.checkpoints.save(self.step, self._write_checkpoint, periodic=False)
             if self.cfg.trainer.test and self.data.has("test"):
                 self._record(self._evaluate("test"))
             summary = self._summary(time.perf_counter() - start)
@@ -134,6 +161,70 @@ class Trainer:
             print_summary(summary, self.run_dir)
         return summary
 
+    # ------------------------------------------------------------------ checkpoints
+    def _training_state(self) -> dict[str, Any]:
+        """Everything besides the weights that an exact resume needs (each component's state_dict)."""
+        rng = self.strategy.gather_objects(reproducibility.rng_state())  # every rank's own RNG streams
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
+            "precision": self.precision.state_dict(),
+            "checkpoints": self.checkpoints.state_dict(),
+            "loop": {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+                     "last_val_step": self._last_val_step, "window_first_step": self._window_first_step,
+                     "losses": self._losses[: self._n_losses].clone()},
+            "metrics": dict(self.metrics),
+            "rng": {f"rank{rank}": state for rank, state in enumerate(rng)},
+        }
+
+    def _write_checkpoint(self, path: Optional[Path]) -> None:
+        """Called on every rank (the state gathers RNG from all of them); only rank 0 gets a path."""
+        state = self._training_state()
+        self._saved_step = self.step
+        if path is None:
+            return
+        meta = {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+                "metrics": dict(self.metrics), "world_size": self.strategy.world_size,
+                "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)}
+        write_checkpoint(path, self.strategy.unwrap(self.task.model).state_dict(), state, meta)
+
+    def _restore(self, checkpoint: Checkpoint) -> None:
+        model = self.strategy.unwrap(self.task.model)
+        weights = checkpoint.model_state()
+        check_compatible(model, weights, f"resume={str(checkpoint.path)!r}", strict=True)
+        model.load_state_dict(weights)
+        state = checkpoint.state()
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"]:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.precision.load_state_dict(state["precision"])
+        self.checkpoints.load_state_dict(state["checkpoints"])
+        loop = state["loop"]
+        self.step, self.epoch, self.batch_in_epoch = loop["step"], loop["epoch"], loop["batch_in_epoch"]
+        self._last_val_step, self._window_first_step = loop["last_val_step"], loop["window_first_step"]
+        self._n_losses = len(loop["losses"])
+        self._losses[: self._n_losses] = loop["losses"].to(self.device)
+        self.metrics = dict(state["metrics"])
+        self._saved_step = self.step
+        rng = state["rng"].get(f"rank{self.strategy.rank}")
+        if rng is None:
+            log.warning("resume: the checkpoint has no RNG state for rank %d (it ran with %d processes); "
+                        "random streams restart from rank 0's", self.strategy.rank, len(state["rng"]))
+            rng = state["rng"]["rank0"]
+        reproducibility.set_rng_state(rng)  # last: building the components above drew random numbers
+        if self.strategy.is_rank_zero:
+            log.info("Resumed from %s at step %d (epoch %d, batch %d)", checkpoint.path, self.step, self.epoch,
+                     self.batch_in_epoch)
+
+    def _stop_signal(self, watch: Any) -> Optional[int]:
+        """The signal to stop on, agreed by every rank (all must stop after the same step)."""
+        received = getattr(watch, "received", None)
+        if self.strategy.world_size > 1:
+            flag = torch.tensor([float(received or 0)], device=self.device)
+            total = float(self.strategy.all_reduce_sum(flag))
+            return int(received or signal.SIGTERM) if total > 0 else None
+        return received
+
     def _describe_setup(self) -> None:
         """What a user checks before trusting a run: parameter groups, LR plan, config (and, in a dry run,
         the model summary). Printed and written by rank 0 only."""
@@ -145,10 +236,11 @@ class Trainer:
         log.info("Parameter groups:\n%s", format_groups(self.optimizer, self.frozen))
         write_json(self.run_dir / "param_groups.json", describe_groups(self.optimizer))
         plan = lr_plan(self.scheduler, self.optimizer, self.steps_per_epoch) if self.scheduler else {}
-        for name, points in plan.items():
-            for step, lr in points:
-                self.logger.log_metrics({f"lr_plan/{name}": lr}, step)
-        self.logger.log_text("config", "```yaml\n" + OmegaConf.to_yaml(self.cfg, resolve=True) + "```")
+        if self.step == 0:  # a resumed run already logged these
+            for name, points in plan.items():
+                for step, lr in points:
+                    self.logger.log_metrics({f"lr_plan/{name}": lr}, step)
+            self.logger.log_text("config", "```yaml\n" + OmegaConf.to_yaml(self.cfg, resolve=True) + "```")
         if self.cfg.trainer.dry_run:
             batch = move_to(next(iter(self.data.batches("train"))), self.device)
             model = self.strategy.unwrap(self.task.model)
@@ -165,7 +257,7 @@ class Trainer:
         return self.epoch >= self.max_epochs
 
     # ------------------------------------------------------------------ one epoch of training
-    def _train_epoch(self) -> None:
+    def _train_epoch(self, watch: Any) -> None:
         self.task.train()
         self.bar.start_epoch(self.epoch, self.train_batches, initial=self.batch_in_epoch)
         batches = self.data.batches("train", self.epoch, start_batch=self.batch_in_epoch)
@@ -184,6 +276,13 @@ class Trainer:
                 self._optimizer_step()
                 if self.step % self.log_every == 0:
                     self._flush_train_log()
+                if self.on_signal:
+                    signum = self._stop_signal(watch)
+                    if signum is not None:
+                        self._stop(signum)
+                # Mid-epoch only: a checkpoint at an epoch's end waits until after its validation.
+                if self.batch_in_epoch < self.train_batches and self.checkpoints.due_periodic(self.step):
+                    self.checkpoints.save(self.step, self._write_checkpoint, periodic=True)
                 if self.max_steps > 0 and self.step >= self.max_steps:
                     break
         seconds = time.perf_counter() - epoch_start
@@ -228,8 +327,17 @@ class Trainer:
         self._record({"train/loss": mean})
         self._n_losses, self._window_first_step = 0, self.step
 
+    def _stop(self, signum: int) -> None:
+        """Save `last` at this exact position (mid-epoch included), then end the run."""
+        self.bar.close()
+        self._write_checkpoint(self.checkpoints.folder / "last" if self.checkpoints.enabled else None)
+        name = signal.Signals(signum).name
+        raise Interrupted(signum, f"Stopped by {name} at step {self.step} (epoch {self.epoch}, batch "
+                                  f"{self.batch_in_epoch}); saved {self.checkpoints.folder / 'last'}. "
+                                  f"Resume with: python run.py resume={self.run_dir}")
+
     # ------------------------------------------------------------------ evaluation
-    def _validate(self) -> None:
+    def _validate(self) -> dict[str, float]:
         metrics = self._evaluate("val")
         self._record(metrics)
         self._last_val_step = self.step
@@ -242,6 +350,7 @@ class Trainer:
                                   f"{', '.join(metrics)}")
             else:
                 s.scheduler.step(metrics[s.monitor])
+        return metrics
 
     @torch.no_grad()
     def _evaluate(self, split: str) -> dict[str, float]:
@@ -281,7 +390,8 @@ class Trainer:
 
     def _summary(self, seconds: float) -> dict[str, Any]:
         summary: dict[str, Any] = dict(self.metrics)
+        best = self.checkpoints.best_path()
         summary.update(step=self.step, epoch=self.epoch, seconds=round(seconds, 3),
                        world_size=self.strategy.world_size, precision=self.precision.name,
-                       best_checkpoint=None)
+                       best_checkpoint=str(best) if best is not None else None)
         return summary

@@ -16,10 +16,12 @@ CONF = ROOT / "conf"
 FAST = ("logger.progress_bar=false", "trainer.max_epochs=2")
 
 
-def run_cli(run_dir: Path, *overrides: str, timeout: float = 180, env: dict[str, str] | None = None,
+def run_cli(run_dir: Path | None, *overrides: str, timeout: float = 180, env: dict[str, str] | None = None,
             fast: bool = True) -> subprocess.CompletedProcess:
-    """Run `python run.py` like a user would, with its run directory at `run_dir`."""
-    args = [sys.executable, str(ROOT / "run.py"), f"hydra.run.dir={run_dir}", *(FAST if fast else ()), *overrides]
+    """Run `python run.py` like a user would, with its run directory at `run_dir` (None: let the config
+    choose, as for resume=RUN_DIR)."""
+    where = [f"hydra.run.dir={run_dir}"] if run_dir is not None else []
+    args = [sys.executable, str(ROOT / "run.py"), *where, *(FAST if fast else ()), *overrides]
     full_env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     full_env.update(env or {})
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)

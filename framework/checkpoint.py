@@ -1,0 +1,352 @@
+"""Checkpoints: a pickle-free format, atomic writes, save policies and resume discovery.
+
+A checkpoint is a directory:
+- `model.safetensors`: the unwrapped model's state dict;
+- `state.safetensors`: every tensor of the training state (optimizer, scheduler, GradScaler, RNG, ...);
+- `meta.json`: counters, metrics, the composed config, the structure that rebuilds the state around its
+  tensors, CRC-32 checksums of both files and the format version.
+It is written as `NAME.tmp/`, flushed to disk, then renamed into place, so a crash mid-save never damages
+an existing checkpoint. Loading reads only JSON and safetensors: a checkpoint cannot run code.
+This module knows nothing of what the state means: the trainer hands it plain nested dicts of tensors
+and primitives (what `state_dict()` methods return) and gets the same back.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import load as load_safetensors, save as save_safetensors
+
+from framework.errors import ConfigError, UserError
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MODEL_FILE, STATE_FILE, META_FILE = "model.safetensors", "state.safetensors", "meta.json"
+
+
+# ---------------------------------------------------------------------------------------------- format
+def flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
+    """A JSON-able copy of `obj` with every tensor moved into `tensors` (replaced by a reference to it)."""
+    if isinstance(obj, torch.Tensor):
+        key = path or "root"
+        tensors[key] = obj.detach().cpu().contiguous()
+        return {"__tensor__": key}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: flatten(v, tensors, f"{path}/{k}") for k, v in obj.items()}
+        return {"__items__": [[k, flatten(v, tensors, f"{path}/{k}")] for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [flatten(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [flatten(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"checkpoint state at {path!r} holds a {type(obj).__name__}; expected tensors, "
+                    "containers and plain values (what state_dict() methods return)")
+
+
+def unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__tuple__" in obj:
+            return tuple(unflatten(v, tensors) for v in obj["__tuple__"])
+        if "__items__" in obj:
+            return {k: unflatten(v, tensors) for k, v in obj["__items__"]}
+        return {k: unflatten(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [unflatten(v, tensors) for v in obj]
+    return obj
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(path: Path, model_state: dict[str, torch.Tensor], state: dict[str, Any],
+                     meta: dict[str, Any]) -> None:
+    """Write atomically: everything goes to `path.tmp/`, then one rename makes it visible."""
+    tmp = path.with_name(path.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    tensors: dict[str, torch.Tensor] = {}
+    structure = flatten(state, tensors)
+    model_bytes = save_safetensors({k: v.detach().cpu().contiguous() for k, v in model_state.items()})
+    state_bytes = save_safetensors(tensors)
+    _write(tmp / MODEL_FILE, model_bytes)
+    _write(tmp / STATE_FILE, state_bytes)
+    meta = {**meta, "format_version": FORMAT_VERSION, "structure": structure,
+            "checksums": {MODEL_FILE: zlib.crc32(model_bytes), STATE_FILE: zlib.crc32(state_bytes)}}
+    _write(tmp / META_FILE, json.dumps(meta, indent=1).encode())
+    _replace_dir(tmp, path)
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Move a finished `src` to `dst`; an older `dst` is moved aside first and removed last, so at every
+    instant one intact copy exists (discovery also accepts `NAME.old`)."""
+    old = dst.with_name(dst.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if dst.exists():
+        os.rename(dst, old)
+    os.rename(src, dst)
+    _fsync_dir(dst.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def link_checkpoint(src: Path, dst: Path) -> None:
+    """Make `dst` a copy of checkpoint `src` (hard links: no data is written twice), atomically."""
+    tmp = dst.with_name(dst.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    for name in (MODEL_FILE, STATE_FILE, META_FILE):
+        try:
+            os.link(src / name, tmp / name)
+        except OSError:  # a file system without hard links
+            shutil.copy2(src / name, tmp / name)
+    _replace_dir(tmp, dst)
+
+
+class DamagedCheckpoint(UserError):
+    pass
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    meta: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return load_safetensors(_read_checked(self.path, MODEL_FILE, self.meta))
+
+    def state(self) -> dict[str, Any]:
+        tensors = load_safetensors(_read_checked(self.path, STATE_FILE, self.meta))
+        return unflatten(self.meta["structure"], tensors)
+
+
+def _read_checked(path: Path, name: str, meta: dict[str, Any]) -> bytes:
+    data = (path / name).read_bytes()
+    if zlib.crc32(data) != meta["checksums"][name]:
+        raise DamagedCheckpoint(f"checkpoint {path}: {name} does not match its checksum (damaged or truncated)")
+    return data
+
+
+def open_checkpoint(path: Path, verify: bool = True) -> Checkpoint:
+    """Read a checkpoint's meta.json and check both data files are present and intact."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except FileNotFoundError:
+        raise DamagedCheckpoint(f"checkpoint {path}: {META_FILE} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DamagedCheckpoint(f"checkpoint {path}: {META_FILE} is not valid JSON ({err})") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise DamagedCheckpoint(f"checkpoint {path}: format version {meta.get('format_version')!r}; "
+                                f"expected {FORMAT_VERSION}")
+    for name in (MODEL_FILE, STATE_FILE):
+        if not (path / name).is_file():
+            raise DamagedCheckpoint(f"checkpoint {path}: {name} is missing")
+        if verify:
+            _read_checked(path, name, meta)
+    return Checkpoint(path, meta)
+
+
+def find_latest(run_dir: Path) -> Optional[Checkpoint]:
+    """The newest intact checkpoint of a run; damaged ones are skipped with a warning naming them."""
+    folder = run_dir / "checkpoints"
+    candidates = [p for p in folder.iterdir() if p.is_dir() and not p.name.endswith(".tmp")] if folder.is_dir() else []
+    found = []
+    for path in candidates:
+        try:
+            found.append(open_checkpoint(path))
+        except DamagedCheckpoint as err:
+            log.warning("Skipping a damaged checkpoint: %s", err)
+    # Newest step first; at equal steps any copy will do (last and step-N hold the same state).
+    return max(found, key=lambda c: (c.step, c.path.name == "last"), default=None)
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Weights for `init_from`: a checkpoint directory, a .safetensors file, or a plain `torch.save`
+    state dict (read with weights_only=True: no code runs). A `module.` prefix (DataParallel/DDP) is dropped."""
+    if path.is_dir():
+        state = open_checkpoint(path).model_state()
+    elif path.suffix == ".safetensors":
+        state = load_safetensors(path.read_bytes())
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:
+            raise ConfigError(f"init_from={str(path)!r}: cannot read it as weights ({str(err).splitlines()[0]}); "
+                              "expected a checkpoint directory, a .safetensors file or a torch.save state dict")
+        if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+            state = state["state_dict"]  # Lightning-style file
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError(f"init_from={str(path)!r}: expected a state dict of tensors")
+    if state and all(k.startswith("module.") for k in state):
+        state = {k[len("module."):]: v for k, v in state.items()}
+    return state
+
+
+def check_compatible(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str, strict: bool) -> None:
+    """One clear error listing the first missing, unexpected and shape-mismatched keys."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    mismatched = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in own
+                  if k in state and state[k].shape != own[k].shape]
+    problems = []
+    if missing and strict:
+        problems.append(f"missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+    if unexpected and strict:
+        problems.append(f"unexpected {', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''}")
+    if mismatched:
+        problems.append(f"shape mismatch {', '.join(mismatched[:3])}{' ...' if len(mismatched) > 3 else ''}")
+    if problems:
+        raise ConfigError(f"{source}: its weights do not fit this model ({'; '.join(problems)}); expected a "
+                          "checkpoint of the same model config")
+
+
+# ---------------------------------------------------------------------------------------------- policies
+@dataclass
+class CheckpointManager:
+    """Decides when to save and what to keep: `last`, periodic `step-N`, the top-k by a metric (`best`)."""
+
+    folder: Path
+    save_last: bool = False
+    every_n_steps: int = 0
+    every_n_epochs: int = 0
+    keep_last: int = 1
+    monitor: Optional[str] = None
+    mode: str = "max"
+    save_top_k: int = 0
+    enabled: bool = True  # False on non-zero ranks and in fast_dev_run: decisions still made, nothing written
+    periodic: list[str] = field(default_factory=list)  # names, oldest first
+    top_k: list[tuple[float, str]] = field(default_factory=list)  # (metric, name), best first
+
+    @property
+    def active(self) -> bool:
+        return self.save_last or self.every_n_steps > 0 or self.every_n_epochs > 0 or self.save_top_k != 0
+
+    def due_periodic(self, step: int, completed_epochs: Optional[int] = None) -> bool:
+        """Is a periodic checkpoint due? `completed_epochs` is given only at the end of an epoch."""
+        by_step = self.every_n_steps > 0 and step % self.every_n_steps == 0
+        by_epoch = (completed_epochs is not None and self.every_n_epochs > 0
+                    and completed_epochs % self.every_n_epochs == 0)
+        return by_step or by_epoch
+
+    def improves(self, metrics: Optional[dict[str, float]]) -> bool:
+        if metrics is None or self.save_top_k == 0 or self.monitor is None:
+            return False
+        if self.monitor not in metrics:
+            raise ConfigError(f"checkpoint.monitor={self.monitor!r}: no such metric; expected one of "
+                              f"{', '.join(metrics)}")
+        if self.save_top_k < 0 or len(self.top_k) < self.save_top_k:
+            return True
+        worst = self.top_k[-1][0]
+        value = metrics[self.monitor]
+        return value > worst if self.mode == "max" else value < worst
+
+    def save(self, step: int, write: Any, *, periodic: bool, metrics: Optional[dict[str, float]] = None) -> None:
+        """Write once (as `step-N` when a policy keeps it, else as `last`) and link the other names to it.
+
+        Called on every rank with the same arguments: the registry is kept everywhere so every rank makes
+        the same decisions, and `write(path)` runs everywhere (it may gather state from all ranks), but
+        files are written and deleted by the enabled rank only (`write(None)` elsewhere)."""
+        top = self.improves(metrics)
+        keep = periodic or top
+        if not (keep or self.save_last):
+            return
+        name = f"step-{step}"
+        target = self.folder / (name if keep else "last")
+        # The registry is updated before writing, so the checkpoint's own state already lists it.
+        if periodic:
+            self.periodic.append(name)
+        if top:
+            self.top_k.append((metrics[self.monitor], name))
+            self.top_k.sort(key=lambda item: item[0], reverse=self.mode == "max")
+            if self.save_top_k > 0:
+                del self.top_k[self.save_top_k:]
+        if self.keep_last >= 0 and len(self.periodic) > self.keep_last:
+            self.periodic = self.periodic[len(self.periodic) - self.keep_last:] if self.keep_last else []
+        write(target if self.enabled else None)
+        if not self.enabled:
+            return
+        if keep and self.save_last:
+            link_checkpoint(target, self.folder / "last")
+        if top and self.top_k[0][1] == name:
+            link_checkpoint(target, self.folder / "best")
+        self._prune()
+
+    def _prune(self) -> None:
+        """Delete `step-N` folders that no policy keeps any more."""
+        kept = set(self.periodic) | {name for _, name in self.top_k}
+        for path in self.folder.glob("step-*"):
+            if path.is_dir() and not path.name.endswith((".tmp", ".old")) and path.name not in kept:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def best_path(self) -> Optional[Path]:
+        return self.folder / "best" if self.top_k else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"periodic": list(self.periodic), "top_k": [[v, n] for v, n in self.top_k]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.periodic = list(state.get("periodic", []))
+        self.top_k = [(float(v), str(n)) for v, n in state.get("top_k", [])]
+
+
+# ---------------------------------------------------------------------------------------------- signals
+class SignalWatch:
+    """On SIGTERM or SIGINT, ask the loop to stop after the current step (it saves `last` and exits);
+    a second signal aborts at once."""
+
+    def __init__(self) -> None:
+        self.received: Optional[int] = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "SignalWatch":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            if signal.getsignal(sig) is signal.SIG_IGN:  # e.g. spawned DDP workers: the parent forwards SIGINT
+                continue
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if self.received is not None:
+            self.__exit__()
+            raise KeyboardInterrupt
+        self.received = signum
+        log.warning("Received %s: finishing this step, then saving checkpoints/last (send again to abort)",
+                    signal.Signals(signum).name)
+
+    def __exit__(self, *_exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
