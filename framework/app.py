@@ -9,16 +9,20 @@ import json
 import logging
 import os
 import sys
+import time
+import traceback
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import Container, DictConfig, ListConfig, Node, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework import config, resume
+from framework import config, resume, sweep
 from framework.errors import ConfigError, Interrupted, UserError
 from framework.launch import WorkerFailed, spawn
+from framework.loggers import write_json
 
 log = logging.getLogger(__name__)
 
@@ -66,18 +70,18 @@ def check_paths(cfg: DictConfig) -> None:
 
 
 def main(cfg: DictConfig) -> Any:
-    """Run the job; a `UserError` becomes one `Error: ...` line and exit code 1 (HYDRA_FULL_ERROR=1 re-raises)."""
+    """Run the job and return its objective (for sweepers such as Optuna): the monitored metric.
+
+    A `UserError` becomes one `Error: ...` line and exit code 1 (HYDRA_FULL_ERROR=1 re-raises). In a multirun
+    no job may end the sweep: any failure is recorded in the job's summary.json and the sweep goes on
+    (framework/sweep.py reports it and exits non-zero at the end)."""
+    if HydraConfig.get().mode == RunMode.MULTIRUN and os.environ.get("HYDRA_FULL_ERROR") != "1":
+        return _sweep_job(cfg)
     try:
         resolve_all(cfg)
         config.validate(cfg)
         check_paths(cfg)
-        hydra_cfg = HydraConfig.get()
-        run_dir = Path(hydra_cfg.runtime.output_dir)
-        checkpoint = resume.find_checkpoint(cfg.resume, run_dir)
-        if checkpoint is not None:
-            cfg = resume.merged_config(cfg, checkpoint.meta["config"], resume.override_keys(hydra_cfg.overrides.task))
-            config.validate(cfg)
-        return launch(cfg, run_dir, checkpoint)
+        return _run(cfg)
     except Interrupted as err:  # stopped on a signal after saving: not an error, but not finished either
         log.warning("%s", err)
         sys.exit(128 + err.signum)
@@ -94,15 +98,50 @@ def main(cfg: DictConfig) -> Any:
         sys.exit(130)
 
 
-def launch(cfg: DictConfig, run_dir: Path, checkpoint: Any = None) -> Any:
+def _run(cfg: DictConfig) -> Optional[float]:
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    overrides = list(hydra_cfg.overrides.task)
+    checkpoint = resume.find_checkpoint(cfg.resume, run_dir)
+    if checkpoint is not None:
+        cfg = resume.merged_config(cfg, checkpoint.meta["config"], resume.override_keys(overrides))
+        config.validate(cfg)
+    params = sweep.hparams(cfg, dict(hydra_cfg.runtime.choices), overrides)
+    summary = launch(cfg, run_dir, checkpoint, params)
+    return summary.get(cfg.checkpoint.monitor or "val/acc")
+
+
+def _sweep_job(cfg: DictConfig) -> float:
+    """One job of a multirun: never raises, so a failing job cannot stop the others."""
+    start = time.perf_counter()
+    try:
+        resolve_all(cfg)
+        config.validate(cfg)
+        check_paths(cfg)
+        objective = _run(cfg)
+        return float("nan") if objective is None else objective
+    except (Exception, SystemExit) as err:  # noqa: BLE001  (recorded, reported at the end of the sweep)
+        message = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
+        if not isinstance(err, UserError):
+            log.error("Job failed:\n%s", traceback.format_exc())
+        else:
+            log.error("Error: %s", message)
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        write_json(run_dir / "summary.json", {"status": "failed", "error": message,
+                                               "seconds": round(time.perf_counter() - start, 3)})
+        return float("nan")
+
+
+def launch(cfg: DictConfig, run_dir: Path, checkpoint: Any = None,
+           hparams: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """In this process, or, for parallel=ddp without a launcher, in one spawned process per device."""
     from framework.parallel import default_devices, under_launcher  # imported after validation: fail fast
 
     if cfg.parallel.strategy == "ddp" and not under_launcher():
         OmegaConf.resolve(cfg)  # spawned workers have no HydraConfig to resolve `${hydra:...}` with
         spawn(cfg, run_dir, cfg.parallel.devices or default_devices(),
-              checkpoint.path if checkpoint is not None else None)
+              checkpoint.path if checkpoint is not None else None, hparams)
         return json.loads((run_dir / "summary.json").read_text())
     from framework.trainer import Trainer
 
-    return Trainer(cfg, run_dir, resume_from=checkpoint).fit()
+    return Trainer(cfg, run_dir, resume_from=checkpoint, hparams=hparams).fit()

@@ -28,6 +28,24 @@ class TensorBoardLogger:
             for name, value in metrics.items():
                 self.writer.add_scalar(name, value, step)
 
+    def log_hparams(self, hparams: Mapping[str, Any], metric_tags: list[str]) -> None:
+        """Start this run's HParams session in its own event files (not a sub-run, as `add_hparams` would),
+        so TensorBoard's HParams tab shows it beside its scalars; metric values are read from `metric_tags`."""
+        if self.writer is not None:
+            from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+            experiment, session_start, _ = hparams_summaries(dict(hparams), {tag: 0.0 for tag in metric_tags})
+            file_writer = self.writer._get_file_writer()
+            file_writer.add_summary(experiment)
+            file_writer.add_summary(session_start)
+
+    def end_hparams_session(self) -> None:
+        if self.writer is not None:
+            from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+            _, _, session_end = hparams_summaries({"_": 0}, {})
+            self.writer._get_file_writer().add_summary(session_end)
+
     def log_text(self, tag: str, text: str) -> None:
         if self.writer is not None:
             self.writer.add_text(tag, text)

@@ -33,6 +33,9 @@ from framework.task import Task
 
 log = logging.getLogger(__name__)
 
+# Metrics shown in TensorBoard's HParams tab for every run (read from these scalar tags).
+HPARAM_METRICS = ["val/acc", "val/loss", "best/val/acc", "best/val/loss", "test/acc", "test/loss"]
+
 
 def move_to(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
@@ -52,8 +55,9 @@ def _limit(limit: Union[int, float], available: int) -> int:
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, run_dir: Path, resume_from: Optional[Checkpoint] = None) -> None:
-        self.cfg, self.run_dir = cfg, run_dir
+    def __init__(self, cfg: DictConfig, run_dir: Path, resume_from: Optional[Checkpoint] = None,
+                 hparams: Optional[dict[str, Any]] = None) -> None:
+        self.cfg, self.run_dir, self.hparams = cfg, run_dir, hparams or {}
         t = cfg.trainer
         self.fast_dev_run = t.fast_dev_run
         self.max_steps = 1 if self.fast_dev_run else t.max_steps
@@ -152,6 +156,9 @@ class Trainer:
             if self.cfg.trainer.test and self.data.has("test"):
                 self._record(self._evaluate("test"))
             summary = self._summary(time.perf_counter() - start)
+            self.logger.log_metrics({k: v for k, v in summary.items() if k.startswith("best/")}, self.step)
+            if self.hparams:
+                self.logger.end_hparams_session()
         finally:
             self.bar.close()
             self.logger.close()
@@ -241,6 +248,8 @@ class Trainer:
                 for step, lr in points:
                     self.logger.log_metrics({f"lr_plan/{name}": lr}, step)
             self.logger.log_text("config", "```yaml\n" + OmegaConf.to_yaml(self.cfg, resolve=True) + "```")
+            if self.hparams:
+                self.logger.log_hparams(self.hparams, HPARAM_METRICS)
         if self.cfg.trainer.dry_run:
             batch = move_to(next(iter(self.data.batches("train"))), self.device)
             model = self.strategy.unwrap(self.task.model)
@@ -340,6 +349,9 @@ class Trainer:
     def _validate(self) -> dict[str, float]:
         metrics = self._evaluate("val")
         self._record(metrics)
+        for name, value in metrics.items():  # best over the run: the lowest loss, the highest of the rest
+            best = self.metrics.get(f"best/{name}", value)
+            self.metrics[f"best/{name}"] = min(best, value) if "loss" in name else max(best, value)
         self._last_val_step = self.step
         s = self.scheduler
         if s is not None and s.interval == "epoch" and self.epoch % s.frequency == 0:
@@ -391,7 +403,7 @@ class Trainer:
     def _summary(self, seconds: float) -> dict[str, Any]:
         summary: dict[str, Any] = dict(self.metrics)
         best = self.checkpoints.best_path()
-        summary.update(step=self.step, epoch=self.epoch, seconds=round(seconds, 3),
+        summary.update(status="ok", step=self.step, epoch=self.epoch, seconds=round(seconds, 3),
                        world_size=self.strategy.world_size, precision=self.precision.name,
                        best_checkpoint=str(best) if best is not None else None)
         return summary

@@ -1,0 +1,177 @@
+"""Sweeps that compare themselves: each job's HParams for TensorBoard, and the sweep summary at the end.
+
+`SweepSummary` is a Hydra callback (conf/config.yaml, `hydra.callbacks`). When a multirun ends it reads
+every job's `summary.json`, writes `summary.csv` in the sweep directory (one row per job: directory, swept
+values, final and best metrics, status, seconds), prints the table best job first (and mean ± std over
+seeds when the sweep varies `seed` beside other keys), and exits non-zero if any job failed. Jobs never
+stop a sweep: the app records a failed job's error in its `summary.json` and returns (see app.py).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+# The choices every job records as HParams, beside its own overrides: name -> how to read it.
+KEY_CHOICES = {"model": "choice", "data": "choice", "optimizer": "choice", "optimizer.lr": "value",
+               "data.batch_size": "value", "precision": "choice", "parallel": "choice", "seed": "value"}
+METRICS = ("val/acc", "val/loss", "test/acc", "test/loss", "train/loss")
+
+
+def _plain(value: Any) -> Any:
+    """A value TensorBoard's HParams accept (bool, number or string)."""
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    return json.dumps(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value, default=str)
+
+
+def hparams(cfg: DictConfig, choices: dict[str, Optional[str]], overrides: list[str]) -> dict[str, Any]:
+    """The key choices of a run plus every override of its command line, as HParams."""
+    params: dict[str, Any] = {}
+    for key, kind in KEY_CHOICES.items():
+        value = choices.get(key) if kind == "choice" else OmegaConf.select(cfg, key)
+        if value is not None:
+            params[key] = _plain(value)
+    for override in overrides:
+        key, _, raw = str(override).partition("=")
+        key = key.lstrip("+~")
+        if key in choices:  # a group: its chosen option
+            params[key] = choices[key] or "null"
+        else:
+            value = OmegaConf.select(cfg, key, default=None)
+            params[key] = _plain(value if value is not None else raw)
+    return params
+
+
+# ---------------------------------------------------------------------------------------------- summary
+def _job_overrides(job_dir: Path) -> dict[str, str]:
+    path = job_dir / ".hydra" / "overrides.yaml"
+    items = yaml.safe_load(path.read_text()) if path.is_file() else []
+    return dict(str(item).lstrip("+~").split("=", 1) for item in items or [] if "=" in str(item))
+
+
+def collect(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """One row per job directory of the sweep, and the keys whose values differ between jobs."""
+    jobs = []
+    for job_dir in sorted((p for p in sweep_dir.iterdir() if (p / ".hydra").is_dir()),
+                          key=lambda p: int(p.name.split("_", 1)[0]) if p.name.split("_", 1)[0].isdigit() else 0):
+        summary_path = job_dir / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {
+            "status": "failed", "error": "no summary.json (the job died before finishing)"}
+        jobs.append((job_dir, _job_overrides(job_dir), summary))
+    keys: list[str] = []
+    for _, overrides, _ in jobs:
+        keys += [k for k in overrides if k not in keys]
+    swept = [k for k in keys if len({o.get(k) for _, o, _ in jobs}) > 1] or keys
+    rows = []
+    for job_dir, overrides, summary in jobs:
+        row: dict[str, Any] = {"job": job_dir.name}
+        row.update({k: overrides.get(k, "") for k in swept})
+        for name in METRICS:
+            row[name] = summary.get(name, "")
+        row.update({k: v for k, v in summary.items() if k.startswith("best/")})
+        row["status"] = summary.get("status", "ok")
+        row["seconds"] = summary.get("seconds", "")
+        row["error"] = summary.get("error", "")
+        rows.append(row)
+    return rows, swept
+
+
+def rank(rows: list[dict[str, Any]], metric: str, mode: str) -> list[dict[str, Any]]:
+    """Best job first; failed jobs and jobs without the metric last."""
+    def key(row: dict[str, Any]) -> tuple[int, float]:
+        value = row.get(metric)
+        if row["status"] != "ok" or not isinstance(value, (int, float)) or math.isnan(value):
+            return (1, 0.0)
+        return (0, -value if mode == "max" else value)
+    return sorted(rows, key=key)
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    columns: list[str] = []
+    for row in rows:
+        columns += [c for c in row if c not in columns]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value)
+
+
+def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    table = [columns] + [[_fmt(row.get(c, "")) for c in columns] for row in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(columns))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table)
+
+
+def seed_stats(rows: list[dict[str, Any]], swept: list[str], metric: str) -> Optional[str]:
+    """Mean ± std of `metric` over seeds for each setting of the other swept keys."""
+    others = [k for k in swept if k != "seed"]
+    if "seed" not in swept or not others:
+        return None
+    groups: dict[tuple, list[float]] = {}
+    for row in rows:
+        if row["status"] == "ok" and isinstance(row.get(metric), (int, float)):
+            groups.setdefault(tuple(row[k] for k in others), []).append(float(row[metric]))
+    lines = [f"{metric} over seeds:"]
+    for setting, values in groups.items():
+        std = statistics.stdev(values) if len(values) > 1 else 0.0
+        label = ", ".join(f"{k}={v}" for k, v in zip(others, setting))
+        lines.append(f"  {label}: {statistics.mean(values):.4f} ± {std:.4f} (n={len(values)})")
+    return "\n".join(lines)
+
+
+class SweepSummary(Callback):
+    """At the end of a multirun: summary.csv, the table best job first, and a non-zero exit on failures."""
+
+    def __init__(self) -> None:
+        self.sweep_dir: Optional[Path] = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Resolve the sweep directory now, as the sweeper will: `${now:...}` is cached on this config
+        # object, so both see the same time; `${hydra:...}` needs HydraConfig set.
+        if HydraConfig.instance().cfg is None:
+            HydraConfig.instance().set_config(config)
+        self.sweep_dir = Path(config.hydra.sweep.dir)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = self.sweep_dir
+        if sweep_dir is None or not sweep_dir.is_dir():
+            return
+        rows, swept = collect(sweep_dir)
+        if not rows:
+            return
+        monitor = config.checkpoint.get("monitor")
+        metric = monitor or "val/acc"
+        mode = getattr(config.checkpoint.mode, "value", config.checkpoint.mode) if monitor else "max"
+        rows = rank(rows, metric, mode)
+        write_csv(sweep_dir / "summary.csv", rows)
+        columns = ["job", *swept, metric, *(m for m in ("val/loss", "test/acc") if m != metric), "status", "seconds"]
+        print(f"\nSweep summary ({len(rows)} jobs, best {metric} first): {sweep_dir / 'summary.csv'}")
+        print(format_table(rows, columns))
+        stats = seed_stats(rows, swept, metric)
+        if stats:
+            print(stats)
+        print(f"Compare them with:  tensorboard --logdir {sweep_dir}")
+        failed = [row for row in rows if row["status"] != "ok"]
+        for row in failed:
+            log.error("Job %s failed: %s", row["job"], row["error"])
+        if failed:
+            sys.exit(1)

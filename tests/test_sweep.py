@@ -1,0 +1,201 @@
+"""Multirun sweeps: one run directory per job, summary.csv and the table, HParams served by a real
+TensorBoard server, failures that do not lose the other jobs, Hydra's joblib launcher, optuna and SLURM."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from conftest import ROOT, output
+from framework.task import ClassificationTask, StepOutput
+
+QUICK = ("logger.progress_bar=false", "trainer.max_epochs=1", "trainer.limit_train_batches=3",
+         "checkpoint=none", "trainer.test=false")
+
+
+def sweep(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None, timeout: float = 300):
+    sweep_dir = tmp_path / "sweep"
+    args = [sys.executable, str(ROOT / "run.py"), "-m", f"hydra.sweep.dir={sweep_dir}", *QUICK, *overrides]
+    full_env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    full_env.update(env or {})
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
+    return proc, sweep_dir
+
+
+def rows(sweep_dir: Path) -> list[dict[str, str]]:
+    with open(sweep_dir / "summary.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    return sorted(p for p in sweep_dir.iterdir() if (p / ".hydra").is_dir())
+
+
+# ------------------------------------------------------------------------------------------ TensorBoard
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def tensorboard_server() -> Iterator:
+    """start(logdir) -> base URL of a real `tensorboard` server on 127.0.0.1; always stopped afterwards."""
+    procs: list[subprocess.Popen] = []
+
+    def start(logdir: Path) -> str:
+        port = _free_port()
+        exe = str(Path(sys.executable).parent / "tensorboard")
+        procs.append(subprocess.Popen([exe, "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port),
+                                       "--load_fast=false", "--reload_interval=0"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:  # bounded wait for the server to answer
+            try:
+                with urllib.request.urlopen(f"{url}/data/runs", timeout=2) as r:
+                    if r.status == 200:
+                        return url
+            except OSError:
+                time.sleep(0.3)
+        raise TimeoutError("tensorboard did not start within 90 s")
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def post(url: str, body: dict) -> Any:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def wait_for(fetch, ok, what: str) -> Any:
+    """The server loads event files in the background: ask again (bounded) until the answer is complete."""
+    deadline = time.monotonic() + 60
+    while True:
+        value = fetch()
+        if ok(value) or time.monotonic() > deadline:
+            assert ok(value), f"{what}: {value}"
+            return value
+        time.sleep(0.5)
+
+
+def test_sweep_of_three_lrs_gives_three_runs_a_summary_and_hparams_served_by_tensorboard(tmp_path,
+                                                                                       tensorboard_server):
+    proc, sweep_dir = sweep(tmp_path, "optimizer.lr=0.01,0.05,0.1")
+    assert proc.returncode == 0, output(proc)
+    jobs = job_dirs(sweep_dir)
+    assert len(jobs) == 3 and all((j / "summary.json").is_file() for j in jobs)
+    table = rows(sweep_dir)
+    assert len(table) == 3 and sorted(float(r["optimizer.lr"]) for r in table) == [0.01, 0.05, 0.1]
+    assert all(r["status"] == "ok" and r["val/acc"] and r["best/val/acc"] and r["seconds"] for r in table)
+    accs = [float(r["val/acc"]) for r in table]
+    assert accs == sorted(accs, reverse=True)  # best job first
+    assert "Sweep summary (3 jobs" in proc.stdout
+
+    url = tensorboard_server(sweep_dir)
+    tags = wait_for(lambda: get(f"{url}/data/plugin/scalars/tags"),
+                    lambda t: len(t) == 3 and all("val/acc" in v and "train/loss" in v for v in t.values()),
+                    "scalars of every job")
+    assert sorted(tags) == sorted(j.name for j in jobs)
+    experiment = wait_for(lambda: post(f"{url}/data/plugin/hparams/experiment", {"experimentName": ""}),
+                          lambda e: any(h["name"] == "optimizer.lr" for h in e.get("hparamInfos", [])),
+                          "HParams experiment")
+    assert {"model", "data", "seed", "data.batch_size"} <= {h["name"] for h in experiment["hparamInfos"]}
+    assert {"val/acc", "best/val/acc"} <= {m["name"]["tag"] for m in experiment["metricInfos"]}
+    groups = post(f"{url}/data/plugin/hparams/session_groups", {
+        "experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
+                                                  "STATUS_RUNNING"],
+        "colParams": [{"hparam": "optimizer.lr"}, {"metric": {"tag": "val/acc", "group": ""}}],
+        "startIndex": 0, "sliceSize": 100})
+    lrs = sorted(g["hparams"]["optimizer.lr"] for g in groups["sessionGroups"])
+    assert lrs == [0.01, 0.05, 0.1]
+
+
+def test_a_failing_job_does_not_lose_the_others_and_the_sweep_exits_non_zero(tmp_path):
+    proc, sweep_dir = sweep(tmp_path, "optimizer.lr=0.1,1e9,0.05", "trainer.log_every_n_steps=1")
+    assert proc.returncode == 1, output(proc)
+    table = {r["optimizer.lr"]: r for r in rows(sweep_dir)}
+    assert table["1000000000.0"]["status"] == "failed" and "nan" in table["1000000000.0"]["error"]
+    assert table["0.1"]["status"] == table["0.05"]["status"] == "ok"
+    assert len(job_dirs(sweep_dir)) == 3
+    assert "Traceback" not in output(proc)
+
+
+def test_seed_sweeps_report_mean_and_std_per_setting(tmp_path):
+    proc, sweep_dir = sweep(tmp_path, "optimizer.lr=0.05,0.1", "seed=1,2")
+    assert proc.returncode == 0, output(proc)
+    assert "val/acc over seeds:" in proc.stdout and "optimizer.lr=0.1:" in proc.stdout and "(n=2)" in proc.stdout
+
+
+class RendezvousTask(ClassificationTask):
+    """Waits (bounded) at its first step until every job of the sweep has started: only jobs that really
+    run at the same time get past it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.waited = False
+
+    def training_step(self, batch: Any) -> StepOutput:
+        if not self.waited:
+            folder = Path(os.environ["RENDEZVOUS_DIR"])
+            (folder / f"started-{os.getpid()}").touch()
+            deadline = time.monotonic() + 120
+            while len(list(folder.glob("started-*"))) < 2:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the other job never started: jobs did not run in parallel")
+                time.sleep(0.1)
+            self.waited = True
+        return super().training_step(batch)
+
+
+def test_joblib_launcher_runs_two_jobs_in_parallel(tmp_path):
+    proc, sweep_dir = sweep(tmp_path, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+                            "task._target_=test_sweep.RendezvousTask", "optimizer.lr=0.05,0.1",
+                            env={"RENDEZVOUS_DIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).parent)})
+    assert proc.returncode == 0, output(proc)
+    assert len(list(tmp_path.glob("started-*"))) == 2  # two processes, both inside training at once
+    assert [r["status"] for r in rows(sweep_dir)] == ["ok", "ok"]
+
+
+def test_optuna_preset_searches_lr_and_weight_decay(tmp_path):
+    proc, sweep_dir = sweep(tmp_path, "experiment=optuna_lr_wd", "hydra.sweeper.n_trials=2")
+    assert proc.returncode == 0, output(proc)
+    table = rows(sweep_dir)
+    assert len(table) == 2 and all(r["optimizer.lr"] and r["optimizer.weight_decay"] for r in table)
+    assert "Best value" in output(proc)
+
+
+def test_slurm_launcher_preset_composes(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "hydra/launcher=slurm",
+                           "hydra.launcher.partition=gpu", "--cfg", "hydra"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, output(proc)
+    assert "SlurmLauncher" in proc.stdout and "partition: gpu" in proc.stdout
+
+
+def test_ddp_inside_a_multirun_job(tmp_path):
+    proc, sweep_dir = sweep(tmp_path, "parallel=ddp", "optimizer.lr=0.05,0.1")
+    assert proc.returncode == 0, output(proc)
+    assert [json.loads((j / "summary.json").read_text())["world_size"] for j in job_dirs(sweep_dir)] == [2, 2]
