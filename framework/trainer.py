@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import signal
 import math
+import signal
 import time
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -45,6 +45,15 @@ def move_to(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         return {k: move_to(v, device) for k, v in batch.items()}
     return batch
+
+
+def _max_memory_mb(device: torch.device) -> float:
+    """Peak memory: CUDA's max_memory_allocated on a GPU, else this process's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def _limit(limit: Union[int, float], available: int) -> int:
@@ -269,13 +278,19 @@ class Trainer:
     def _train_epoch(self, watch: Any) -> None:
         self.task.train()
         self.bar.start_epoch(self.epoch, self.train_batches, initial=self.batch_in_epoch)
-        batches = self.data.batches("train", self.epoch, start_batch=self.batch_in_epoch)
-        epoch_start, samples, first_batch = time.perf_counter(), 0, self.batch_in_epoch
-        for batch in itertools.islice(batches, self.train_batches - self.batch_in_epoch):
+        batches = iter(itertools.islice(self.data.batches("train", self.epoch, start_batch=self.batch_in_epoch),
+                                        self.train_batches - self.batch_in_epoch))
+        epoch_start, samples, first_batch, data_wait = time.perf_counter(), 0, self.batch_in_epoch, 0.0
+        while True:
+            waited_from = time.perf_counter()
+            batch = next(batches, None)
+            data_wait += time.perf_counter() - waited_from
+            if batch is None:
+                break
             batch = move_to(batch, self.device)
             with self.precision.autocast():
                 out = self.task.training_step(batch)
-            self.precision.backward(out.loss / self.accumulate)
+            self.precision.backward(out.loss / self.accumulate if self.accumulate > 1 else out.loss)
             self._losses[self._n_losses] = out.loss.detach()
             self._n_losses += 1
             self.batch_in_epoch += 1
@@ -298,7 +313,9 @@ class Trainer:
         batches_run = self.batch_in_epoch - first_batch
         if batches_run and seconds > 0:
             self.logger.log_metrics({"perf/samples_per_s": samples / seconds,
-                                     "perf/step_ms": 1000 * seconds / batches_run}, self.step)
+                                     "perf/step_ms": 1000 * seconds / batches_run,
+                                     "perf/data_wait_frac": data_wait / seconds,
+                                     "perf/max_memory_mb": _max_memory_mb(self.device)}, self.step)
         self.logger.flush()
 
     def _optimizer_step(self) -> None:
