@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors, save as save_safetensors
 
 from framework.errors import ConfigError, UserError
@@ -106,10 +107,11 @@ def _replace_dir(src: Path, dst: Path) -> None:
     """Move a finished `src` to `dst`; an older `dst` is moved aside first and removed last, so at every
     instant one intact copy exists (discovery also accepts `NAME.old`)."""
     old = dst.with_name(dst.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
     if dst.exists():
+        if old.exists():
+            shutil.rmtree(old)
         os.rename(dst, old)
+    # With no `dst`, an `old` left by a crash is the only intact copy: it goes only once `src` is in place.
     os.rename(src, dst)
     _fsync_dir(dst.parent)
     if old.exists():
@@ -166,9 +168,14 @@ def open_checkpoint(path: Path, verify: bool = True) -> Checkpoint:
         raise DamagedCheckpoint(f"checkpoint {path}: {META_FILE} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DamagedCheckpoint(f"checkpoint {path}: {META_FILE} is not valid JSON ({err})") from None
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise DamagedCheckpoint(f"checkpoint {path}: format version {meta.get('format_version')!r}; "
-                                f"expected {FORMAT_VERSION}")
+    version = meta.get("format_version") if isinstance(meta, dict) else None
+    if version != FORMAT_VERSION:
+        raise DamagedCheckpoint(f"checkpoint {path}: format version {version!r}; expected {FORMAT_VERSION}")
+    checksums = meta["checksums"] if isinstance(meta.get("checksums"), dict) else {}
+    lacking = [key for key in ("step", "structure", "config") if key not in meta]
+    lacking += [f"checksums.{name}" for name in (MODEL_FILE, STATE_FILE) if name not in checksums]
+    if lacking:
+        raise DamagedCheckpoint(f"checkpoint {path}: {META_FILE} lacks {', '.join(lacking)}")
     for name in (MODEL_FILE, STATE_FILE):
         if not (path / name).is_file():
             raise DamagedCheckpoint(f"checkpoint {path}: {name} is missing")
@@ -195,10 +202,16 @@ def find_latest(run_dir: Path) -> Optional[Checkpoint]:
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
     """Weights for `init_from`: a checkpoint directory, a .safetensors file, or a plain `torch.save`
     state dict (read with weights_only=True: no code runs). A `module.` prefix (DataParallel/DDP) is dropped."""
+    if not path.exists():
+        raise ConfigError(f"init_from={str(path)!r}: no such file or directory; expected a checkpoint directory, "
+                          "a .safetensors file or a torch.save state dict")
     if path.is_dir():
         state = open_checkpoint(path).model_state()
     elif path.suffix == ".safetensors":
-        state = load_safetensors(path.read_bytes())
+        try:
+            state = load_safetensors(path.read_bytes())
+        except SafetensorError as err:
+            raise ConfigError(f"init_from={str(path)!r}: not a valid safetensors file ({err})") from None
     else:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
@@ -218,7 +231,7 @@ def check_compatible(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
     """One clear error listing the first missing, unexpected and shape-mismatched keys."""
     own = model.state_dict()
     missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
+    unexpected = sorted(k for k in state if k not in own)  # a stable order: safetensors loads keys in none
     mismatched = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in own
                   if k in state and state[k].shape != own[k].shape]
     problems = []

@@ -1,0 +1,142 @@
+"""Export a trained model for use outside this framework, and prove the export computes what the checkpoint does.
+
+    python -m framework.export RUN_DIR_OR_CHECKPOINT [--which best|last] [--out DIR] [--torchscript trace|script]
+
+The model is rebuilt from the config stored in the checkpoint's meta.json and given its `model.safetensors`.
+Written to --out (default: RUN_DIR/export/):
+- `model.safetensors`: the plain state dict (no `module.` prefix), for `model.load_state_dict(load_file(...))`;
+- `model.pt`: TorchScript, from `torch.jit.trace` on a [2, *data.input_shape] batch (default) or
+  `torch.jit.script`; it runs without the Python class (`torch.jit.load`), but it is code: load trusted files only.
+Both files are then reloaded and run on that batch in eval mode against the checkpoint's model: the weights must
+give identical outputs, TorchScript outputs within float tolerance. Errors are one line and exit code 1.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file, save
+
+from framework.checkpoint import META_FILE, MODEL_FILE, Checkpoint, check_compatible, open_checkpoint
+from framework.errors import UserError
+from framework.instantiate import build
+
+WEIGHTS_FILE, TORCHSCRIPT_FILE = "model.safetensors", "model.pt"
+
+
+def find_checkpoint(path: Path, which: Optional[str]) -> Checkpoint:
+    """`path` is a checkpoint directory, or a run directory whose checkpoints/<which> is exported
+    (which=None: best if the run has one, else last)."""
+    if not path.is_dir():
+        raise UserError(f"{path}: no such directory; expected a run directory or a checkpoint directory")
+    if (path / META_FILE).is_file() or (path / MODEL_FILE).is_file():
+        return open_checkpoint(path)
+    folder = path / "checkpoints"
+    if not folder.is_dir():
+        raise UserError(f"{path}: neither a checkpoint directory (with {META_FILE}) nor a run directory with "
+                        "checkpoints/; expected e.g. outputs/NAME/TIME or outputs/NAME/TIME/checkpoints/best")
+    which = which or ("best" if (folder / "best").is_dir() else "last")
+    if not (folder / which).is_dir():
+        saved = ", ".join(sorted(p.name for p in folder.iterdir() if p.is_dir())) or "none"
+        raise UserError(f"{path}: no checkpoints/{which} (saved: {saved}); expected a run that saved one "
+                        "(checkpoint=default saves last and best)")
+    return open_checkpoint(folder / which)
+
+
+def build_model(checkpoint: Checkpoint) -> torch.nn.Module:
+    """The model as the stored config builds it (random weights), in eval mode."""
+    cfg = OmegaConf.create(checkpoint.meta["config"])
+    return build(cfg.model, "model").eval()
+
+
+def example_batch(checkpoint: Checkpoint) -> torch.Tensor:
+    shape = checkpoint.meta["config"].get("data", {}).get("input_shape")
+    if not shape:
+        raise UserError(f"checkpoint {checkpoint.path}: its config has no data.input_shape; expected the shape "
+                        "of one input, e.g. [3, 32, 32], to build the example batch")
+    return torch.randn(2, *shape, generator=torch.Generator().manual_seed(0))
+
+
+def to_torchscript(model: torch.nn.Module, batch: torch.Tensor, mode: str) -> torch.jit.ScriptModule:
+    with warnings.catch_warnings():  # TorchScript is deprecated upstream; the warning says nothing actionable here
+        warnings.filterwarnings("ignore", message=r".*torch\.jit.*deprecated", category=FutureWarning)
+        try:
+            return torch.jit.trace(model, batch) if mode == "trace" else torch.jit.script(model)
+        except Exception as err:  # noqa: BLE001  (TorchScript rejects many Python constructs)
+            other = "script" if mode == "trace" else "trace"
+            raise UserError(f"--torchscript {mode} failed: {str(err).strip().splitlines()[0]}; "
+                            f"try --torchscript {other}") from None
+
+
+def export(checkpoint: Checkpoint, out: Path, mode: str = "trace") -> dict[str, float]:
+    """Write the two files under `out`, reload them, and return the max abs difference of each from the
+    checkpoint's model on the example batch (raises UserError when outside tolerance)."""
+    model = build_model(checkpoint)
+    weights = checkpoint.model_state()
+    check_compatible(model, weights, f"checkpoint {checkpoint.path}", strict=True)
+    model.load_state_dict(weights)
+    batch = example_batch(checkpoint)
+    with torch.no_grad():
+        expected = model(batch)
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in model.state_dict().items()}
+    metadata = {"source": str(checkpoint.path), "step": str(checkpoint.step)}
+    (out / WEIGHTS_FILE).write_bytes(save(state, metadata=metadata))
+    to_torchscript(model, batch, mode).save(str(out / TORCHSCRIPT_FILE))
+
+    fresh = build_model(checkpoint)
+    fresh.load_state_dict(load_file(str(out / WEIGHTS_FILE)))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*torch\.jit.*deprecated", category=FutureWarning)
+        scripted = torch.jit.load(str(out / TORCHSCRIPT_FILE), map_location="cpu").eval()
+    with torch.no_grad():
+        got = {WEIGHTS_FILE: fresh(batch), TORCHSCRIPT_FILE: scripted(batch)}
+    diffs = {name: (value - expected).abs().max().item() for name, value in got.items()}
+    if not torch.equal(got[WEIGHTS_FILE], expected):
+        raise UserError(f"{out / WEIGHTS_FILE}: the reloaded weights give different outputs (max abs difference "
+                        f"{diffs[WEIGHTS_FILE]:.3g}); expected identical ones")
+    if not torch.allclose(got[TORCHSCRIPT_FILE], expected, rtol=1e-4, atol=1e-5):
+        raise UserError(f"{out / TORCHSCRIPT_FILE}: TorchScript ({mode}) outputs differ from the model's by up to "
+                        f"{diffs[TORCHSCRIPT_FILE]:.3g}; expected allclose (rtol 1e-4, atol 1e-5)"
+                        + ("; a data-dependent branch may need --torchscript script" if mode == "trace" else ""))
+    return diffs
+
+
+def default_out(checkpoint: Checkpoint) -> Path:
+    """RUN_DIR/export for a checkpoint inside RUN_DIR/checkpoints/, else CHECKPOINT/export."""
+    path = checkpoint.path.resolve()
+    return path.parent.parent / "export" if path.parent.name == "checkpoints" else path / "export"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m framework.export", description=__doc__.splitlines()[0])
+    parser.add_argument("path", type=Path, help="a run directory or a checkpoint directory")
+    parser.add_argument("--which", choices=("best", "last"), default=None,
+                        help="which checkpoint of a run directory (default: best if saved, else last)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/export)")
+    parser.add_argument("--torchscript", choices=("trace", "script"), default="trace",
+                        help="how model.pt is made (default: trace, on a [2, *data.input_shape] batch)")
+    args = parser.parse_args(argv)
+    try:
+        checkpoint = find_checkpoint(args.path, args.which)
+        out = args.out or default_out(checkpoint)
+        diffs = export(checkpoint, out, args.torchscript)
+    except UserError as err:
+        print(f"Error: {err}", file=sys.stderr)
+        return 1
+    print(f"Exported {checkpoint.path} (step {checkpoint.step}):\n"
+          f"  {out / WEIGHTS_FILE}  weights (state dict)\n"
+          f"  {out / TORCHSCRIPT_FILE}  TorchScript ({args.torchscript})\n"
+          f"Verified on a batch of {list(example_batch(checkpoint).shape)} in eval mode, max abs difference: "
+          f"weights {diffs[WEIGHTS_FILE]:.3g} (identical), TorchScript {diffs[TORCHSCRIPT_FILE]:.3g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

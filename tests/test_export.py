@@ -1,0 +1,92 @@
+"""`python -m framework.export`: from a trained run to files that run without this framework, checked.
+
+The exported TorchScript module, loaded with plain `torch.jit.load`, must compute what the model rebuilt from
+the exported weights computes; errors are one line and exit code 1."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from conftest import ROOT, output, run_cli
+from framework import export
+from framework.instantiate import build
+
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")  # TorchScript is deprecated upstream
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A tiny trained CNN (BatchNorm: eval mode matters) with checkpoints/last and checkpoints/best."""
+    run_dir = tmp_path_factory.mktemp("export") / "run"
+    proc = run_cli(run_dir, "model=cnn", "model.channels=[8,16]", "trainer.max_epochs=2",
+                   "trainer.limit_train_batches=2", "logger.tensorboard=false")
+    assert proc.returncode == 0, output(proc)
+    return run_dir
+
+
+def rebuilt(run_dir: Path, weights: Path) -> torch.nn.Module:
+    """The model built from the run's stored config, with the exported weights: what a user would do."""
+    meta = json.loads((run_dir / "checkpoints" / "last" / "meta.json").read_text())
+    model = build(OmegaConf.create(meta["config"]).model, "model")
+    model.load_state_dict(load_file(str(weights)))
+    return model.eval()
+
+
+def export_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "framework.export", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_export_writes_torchscript_that_computes_what_the_exported_weights_do(run_dir):
+    proc = export_cli(str(run_dir))
+    assert proc.returncode == 0, output(proc)
+    out = run_dir / "export"
+    best = run_dir / "checkpoints" / "best"
+    assert f"Exported {best} (step" in proc.stdout  # default: best, since the run has one
+    assert f"{out / 'model.safetensors'}" in proc.stdout and f"{out / 'model.pt'}" in proc.stdout
+    assert "max abs difference: weights 0 (identical), TorchScript" in proc.stdout
+    exported = load_file(str(out / "model.safetensors"))
+    checkpoint = load_file(str(best / "model.safetensors"))
+    assert exported.keys() == checkpoint.keys() and all(torch.equal(exported[k], checkpoint[k]) for k in exported)
+    scripted = torch.jit.load(str(out / "model.pt"))
+    x = torch.randn(3, 1, 8, 8)  # not the batch size it was traced with
+    with torch.no_grad():
+        assert torch.allclose(scripted(x), rebuilt(run_dir, out / "model.safetensors")(x), rtol=1e-4, atol=1e-5)
+
+
+def test_export_of_last_with_script_to_another_folder(run_dir, tmp_path, capsys):
+    assert export.main([str(run_dir), "--which", "last", "--out", str(tmp_path), "--torchscript", "script"]) == 0
+    assert f"Exported {run_dir / 'checkpoints' / 'last'} (step 4)" in capsys.readouterr().out
+    scripted = torch.jit.load(str(tmp_path / "model.pt"))
+    x = torch.randn(2, 1, 8, 8)
+    with torch.no_grad():
+        assert torch.allclose(scripted(x), rebuilt(run_dir, tmp_path / "model.safetensors")(x), rtol=1e-4, atol=1e-5)
+
+
+def test_export_without_a_checkpoint_is_one_error_line(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    proc = export_cli(str(tmp_path))
+    assert proc.returncode == 1 and proc.stdout == "" and "Traceback" not in proc.stderr, output(proc)
+    assert proc.stderr.splitlines() == [f"Error: {tmp_path}: no checkpoints/last (saved: none); expected a run "
+                                        "that saved one (checkpoint=default saves last and best)"]
+
+
+def test_export_of_a_damaged_checkpoint_is_one_error_line(run_dir, tmp_path, capsys):
+    damaged = tmp_path / "last"
+    damaged.mkdir()
+    for name in ("meta.json", "state.safetensors"):
+        (damaged / name).write_bytes((run_dir / "checkpoints" / "last" / name).read_bytes())
+    data = (run_dir / "checkpoints" / "last" / "model.safetensors").read_bytes()
+    (damaged / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert export.main([str(damaged)]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"Error: checkpoint {damaged}: model.safetensors does not match its checksum "
+                                "(damaged or truncated)"]
+    assert not (damaged / "export").exists()
