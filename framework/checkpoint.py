@@ -4,7 +4,7 @@ A checkpoint is a directory:
 - `model.safetensors`: the unwrapped model's state dict;
 - `state.safetensors`: every tensor of the training state (optimizer, scheduler, GradScaler, RNG, ...);
 - `meta.json`: counters, metrics, the composed config, the structure that rebuilds the state around its
-  tensors, CRC-32 checksums of both files and the format version.
+  tensors, XXH3-64 checksums of both files and the format version.
 It is written as `NAME.tmp/`, flushed to disk, then renamed into place, so a crash mid-save never damages
 an existing checkpoint. Loading reads only JSON and safetensors: a checkpoint cannot run code.
 This module knows nothing of what the state means: the trainer hands it plain nested dicts of tensors
@@ -14,23 +14,24 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import shutil
 import signal
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import xxhash
 from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors, save as save_safetensors
+from safetensors.torch import load_file, save_file
 
 from framework.errors import ConfigError, UserError
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: CRC-32 checksums
 MODEL_FILE, STATE_FILE, META_FILE = "model.safetensors", "state.safetensors", "meta.json"
 
 
@@ -69,14 +70,36 @@ def unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
-def _write(path: Path, data: bytes) -> None:
+def _write(path: Path, data: bytes, durable: bool = True) -> None:
     with open(path, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def digest(path: Path) -> str:
+    """XXH3-64 of a file's bytes, read through a memory map: at memory speed (~20 GB/s), where CRC-32 ran at
+    2 GB/s and reading the file into a bytes object first cost more than the hash."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return "xxh3_64:" + xxhash.xxh3_64_hexdigest(b"")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)
+
+
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], durable: bool = True) -> str:
+    """safetensors' own writer straight to the file (no bytes object in between), then flushed to disk;
+    returns the file's checksum."""
+    save_file(tensors, str(path))
+    checksum = digest(path)
+    if durable:
+        _fsync(path)
+    return checksum
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a directory's entries') data to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -85,25 +108,27 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_checkpoint(path: Path, model_state: dict[str, torch.Tensor], state: dict[str, Any],
-                     meta: dict[str, Any]) -> None:
-    """Write atomically: everything goes to `path.tmp/`, then one rename makes it visible."""
+                     meta: dict[str, Any], durable: bool = True) -> None:
+    """Write atomically: everything goes to `path.tmp/`, then one rename makes it visible.
+
+    `durable`: flush every file and the directory to disk before and after the rename (fsync), so that even a
+    machine crash or power cut leaves an intact checkpoint. Without it the write is still atomic for the
+    process (a kill, an OOM, a crash of Python), since the page cache outlives the process."""
     tmp = path.with_name(path.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     tensors: dict[str, torch.Tensor] = {}
     structure = flatten(state, tensors)
-    model_bytes = save_safetensors({k: v.detach().cpu().contiguous() for k, v in model_state.items()})
-    state_bytes = save_safetensors(tensors)
-    _write(tmp / MODEL_FILE, model_bytes)
-    _write(tmp / STATE_FILE, state_bytes)
-    meta = {**meta, "format_version": FORMAT_VERSION, "structure": structure,
-            "checksums": {MODEL_FILE: zlib.crc32(model_bytes), STATE_FILE: zlib.crc32(state_bytes)}}
-    _write(tmp / META_FILE, json.dumps(meta, indent=1).encode())
-    _replace_dir(tmp, path)
+    model_tensors = {k: v.detach().cpu().contiguous() for k, v in model_state.items()}
+    checksums = {MODEL_FILE: _write_tensors(tmp / MODEL_FILE, model_tensors, durable),
+                 STATE_FILE: _write_tensors(tmp / STATE_FILE, tensors, durable)}
+    meta = {**meta, "format_version": FORMAT_VERSION, "structure": structure, "checksums": checksums}
+    _write(tmp / META_FILE, json.dumps(meta, indent=1).encode(), durable)
+    _replace_dir(tmp, path, durable)
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
+def _replace_dir(src: Path, dst: Path, durable: bool = True) -> None:
     """Move a finished `src` to `dst`; an older `dst` is moved aside first and removed last, so at every
     instant one intact copy exists (discovery also accepts `NAME.old`)."""
     old = dst.with_name(dst.name + ".old")
@@ -113,12 +138,13 @@ def _replace_dir(src: Path, dst: Path) -> None:
         os.rename(dst, old)
     # With no `dst`, an `old` left by a crash is the only intact copy: it goes only once `src` is in place.
     os.rename(src, dst)
-    _fsync_dir(dst.parent)
+    if durable:
+        _fsync(dst.parent)
     if old.exists():
         shutil.rmtree(old)
 
 
-def link_checkpoint(src: Path, dst: Path) -> None:
+def link_checkpoint(src: Path, dst: Path, durable: bool = True) -> None:
     """Make `dst` a copy of checkpoint `src` (hard links: no data is written twice), atomically."""
     tmp = dst.with_name(dst.name + ".tmp")
     if tmp.exists():
@@ -129,7 +155,7 @@ def link_checkpoint(src: Path, dst: Path) -> None:
             os.link(src / name, tmp / name)
         except OSError:  # a file system without hard links
             shutil.copy2(src / name, tmp / name)
-    _replace_dir(tmp, dst)
+    _replace_dir(tmp, dst, durable)
 
 
 class DamagedCheckpoint(UserError):
@@ -140,24 +166,34 @@ class DamagedCheckpoint(UserError):
 class Checkpoint:
     path: Path
     meta: dict[str, Any]
+    verified: bool = False  # both checksums already checked (by open_checkpoint): loading does not hash again
 
     @property
     def step(self) -> int:
         return int(self.meta["step"])
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        return load_safetensors(_read_checked(self.path, MODEL_FILE, self.meta))
+        return _load_checked(self.path, MODEL_FILE, self.meta, verify=not self.verified)
 
     def state(self) -> dict[str, Any]:
-        tensors = load_safetensors(_read_checked(self.path, STATE_FILE, self.meta))
-        return unflatten(self.meta["structure"], tensors)
+        return unflatten(self.meta["structure"],
+                         _load_checked(self.path, STATE_FILE, self.meta, verify=not self.verified))
 
 
-def _read_checked(path: Path, name: str, meta: dict[str, Any]) -> bytes:
-    data = (path / name).read_bytes()
-    if zlib.crc32(data) != meta["checksums"][name]:
+def _verify(path: Path, name: str, meta: dict[str, Any]) -> None:
+    if digest(path / name) != meta["checksums"][name]:
         raise DamagedCheckpoint(f"checkpoint {path}: {name} does not match its checksum (damaged or truncated)")
-    return data
+
+
+def _load_checked(path: Path, name: str, meta: dict[str, Any], verify: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors of a file whose checksum matches; memory-mapped, copy-on-write (a change to a loaded
+    tensor never reaches the file)."""
+    if verify:
+        _verify(path, name, meta)
+    try:
+        return load_file(str(path / name))
+    except SafetensorError as err:  # a file written with its checksum but not by safetensors
+        raise DamagedCheckpoint(f"checkpoint {path}: {name} is not a valid safetensors file ({err})") from None
 
 
 def open_checkpoint(path: Path, verify: bool = True) -> Checkpoint:
@@ -180,8 +216,8 @@ def open_checkpoint(path: Path, verify: bool = True) -> Checkpoint:
         if not (path / name).is_file():
             raise DamagedCheckpoint(f"checkpoint {path}: {name} is missing")
         if verify:
-            _read_checked(path, name, meta)
-    return Checkpoint(path, meta)
+            _verify(path, name, meta)
+    return Checkpoint(path, meta, verified=verify)
 
 
 def find_latest(run_dir: Path) -> Optional[Checkpoint]:
@@ -209,7 +245,7 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
         state = open_checkpoint(path).model_state()
     elif path.suffix == ".safetensors":
         try:
-            state = load_safetensors(path.read_bytes())
+            state = load_file(str(path))
         except SafetensorError as err:
             raise ConfigError(f"init_from={str(path)!r}: not a valid safetensors file ({err})") from None
     else:
@@ -260,6 +296,7 @@ class CheckpointManager:
     mode: str = "max"
     save_top_k: int = 0
     enabled: bool = True  # False on non-zero ranks and in fast_dev_run: decisions still made, nothing written
+    fsync: bool = True  # flush to disk (see write_checkpoint's `durable`)
     periodic: list[str] = field(default_factory=list)  # names, oldest first
     top_k: list[tuple[float, str]] = field(default_factory=list)  # (metric, name), best first
 
@@ -312,9 +349,9 @@ class CheckpointManager:
         if not self.enabled:
             return
         if keep and self.save_last:
-            link_checkpoint(target, self.folder / "last")
+            link_checkpoint(target, self.folder / "last", self.fsync)
         if top and self.top_k[0][1] == name:
-            link_checkpoint(target, self.folder / "best")
+            link_checkpoint(target, self.folder / "best", self.fsync)
         self._prune()
 
     def _prune(self) -> None:

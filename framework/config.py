@@ -58,6 +58,7 @@ class CheckpointConfig:
     mode: Mode = Mode.max
     save_top_k: int = 0
     on_signal: bool = False
+    fsync: bool = True  # flush each checkpoint to disk before it counts (false: atomic for the process only)
 
 
 class PrecisionMode(str, Enum):

@@ -220,6 +220,20 @@ def test_a_second_crash_while_only_last_old_exists_still_leaves_it(tmp_path, mon
     assert found is not None and found.step == 1
 
 
+def test_checkpoint_fsync_false_writes_the_same_files(tmp_path):
+    """checkpoint.fsync=false only skips the flushes: the bytes on disk are the same, and it loads."""
+    model, state = {"w": torch.arange(6.0).reshape(2, 3)}, {"opt": {"m": torch.ones(4)}, "n": 3}
+    write_checkpoint(tmp_path / "durable", model, state, {"step": 5, "config": {}}, durable=True)
+    write_checkpoint(tmp_path / "fast", model, state, {"step": 5, "config": {}}, durable=False)
+    for name in (MODEL_FILE, STATE_FILE, META_FILE):
+        assert (tmp_path / "durable" / name).read_bytes() == (tmp_path / "fast" / name).read_bytes()
+    loaded = open_checkpoint(tmp_path / "fast")
+    weights = loaded.model_state()
+    assert torch.equal(weights["w"], model["w"]) and loaded.state()["n"] == 3
+    weights["w"].add_(1)  # loaded tensors map the file copy-on-write: changing one leaves the file as it was
+    assert torch.equal(open_checkpoint(tmp_path / "fast").model_state()["w"], model["w"])
+
+
 # ---------------------------------------------------------------------------------------------- 3. damage
 @pytest.mark.parametrize("kind", DAMAGE)
 def test_resume_run_dir_skips_a_damaged_checkpoint_with_a_warning_naming_it(base, tmp_path, caplog, kind):
