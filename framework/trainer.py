@@ -115,7 +115,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(
             self.run_dir / "checkpoints", save_last=ck.save_last, every_n_steps=ck.every_n_steps,
             every_n_epochs=ck.every_n_epochs, keep_last=ck.keep_last, monitor=ck.monitor, mode=ck.mode.value,
-            save_top_k=ck.save_top_k, enabled=rank_zero and not self.fast_dev_run)
+            save_top_k=ck.save_top_k, enabled=rank_zero and not self.fast_dev_run, fsync=ck.fsync)
         self.on_signal = ck.on_signal and not self.fast_dev_run
         self.resume_from = resume_from
         # On resume, TensorBoard drops whatever the killed run logged after its checkpoint's step.
@@ -129,9 +129,10 @@ class Trainer:
         self.batch_in_epoch = 0  # batches of the current epoch already consumed
         self.metrics: dict[str, float] = {}  # latest value of every metric, for the summary
         self._last_val_step = -1
-        # Per-batch losses of the current logging window, kept on device: no host sync until a log step.
-        self._losses = torch.zeros(self.log_every * self.accumulate + self.accumulate, device=self.device)
-        self._n_losses = 0
+        # Per-batch losses of the current logging window, kept on device: no host sync until a log step
+        # (a list, not a preallocated tensor: appending costs no kernel launch).
+        self._losses: list[torch.Tensor] = []
+        self._clip_norm, self._clip_value = t.grad_clip_norm, t.grad_clip_value  # no config access per step
         self._window_first_step = 0
         self._saved_step = -1  # step of the newest checkpoint written by this process
 
@@ -188,7 +189,7 @@ class Trainer:
             "checkpoints": self.checkpoints.state_dict(),
             "loop": {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                      "last_val_step": self._last_val_step, "window_first_step": self._window_first_step,
-                     "losses": self._losses[: self._n_losses].clone()},
+                     "losses": self._window_losses()},
             "metrics": dict(self.metrics),
             "rng": {f"rank{rank}": state for rank, state in enumerate(rng)},
         }
@@ -202,7 +203,8 @@ class Trainer:
         meta = {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                 "metrics": dict(self.metrics), "world_size": self.strategy.world_size,
                 "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)}
-        write_checkpoint(path, self.strategy.unwrap(self.task.model).state_dict(), state, meta)
+        write_checkpoint(path, self.strategy.unwrap(self.task.model).state_dict(), state, meta,
+                         durable=self.checkpoints.fsync)
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         model = self.strategy.unwrap(self.task.model)
@@ -218,8 +220,7 @@ class Trainer:
         loop = state["loop"]
         self.step, self.epoch, self.batch_in_epoch = loop["step"], loop["epoch"], loop["batch_in_epoch"]
         self._last_val_step, self._window_first_step = loop["last_val_step"], loop["window_first_step"]
-        self._n_losses = len(loop["losses"])
-        self._losses[: self._n_losses] = loop["losses"].to(self.device)
+        self._losses = list(loop["losses"].to(self.device).unbind())
         self.metrics = dict(state["metrics"])
         self._saved_step = self.step
         rng = state["rng"].get(f"rank{self.strategy.rank}")
@@ -276,40 +277,54 @@ class Trainer:
 
     # ------------------------------------------------------------------ one epoch of training
     def _train_epoch(self, watch: Any) -> None:
+        """The hot loop. Everything reached per batch is bound to a local first, and nothing in it reads the
+        config, syncs with the device or allocates beyond the step itself (bench/overhead.py measures it)."""
         self.task.train()
         self.bar.start_epoch(self.epoch, self.train_batches, initial=self.batch_in_epoch)
         batches = iter(itertools.islice(self.data.batches("train", self.epoch, start_batch=self.batch_in_epoch),
                                         self.train_batches - self.batch_in_epoch))
-        epoch_start, samples, first_batch, data_wait = time.perf_counter(), 0, self.batch_in_epoch, 0.0
+        training_step, batch_size, losses = self.task.training_step, self.task.batch_size, self._losses
+        precision, bar, checkpoints = self.precision, self.bar if self.bar.enabled else None, self.checkpoints
+        autocast = precision.autocast if precision.dtype is not None else None
+        to_device = None if self.device.type == "cpu" else move_to  # batches are made on the CPU
+        accumulate, train_batches, log_every, max_steps = (self.accumulate, self.train_batches, self.log_every,
+                                                           self.max_steps)
+        periodic = checkpoints.every_n_steps > 0  # mid-epoch saves happen by step only
+        clock = time.perf_counter
+        epoch_start, samples, first_batch, data_wait = clock(), 0, self.batch_in_epoch, 0.0
         while True:
-            waited_from = time.perf_counter()
+            waited_from = clock()
             batch = next(batches, None)
-            data_wait += time.perf_counter() - waited_from
+            data_wait += clock() - waited_from
             if batch is None:
                 break
-            batch = move_to(batch, self.device)
-            with self.precision.autocast():
-                out = self.task.training_step(batch)
-            self.precision.backward(out.loss / self.accumulate if self.accumulate > 1 else out.loss)
-            self._losses[self._n_losses] = out.loss.detach()
-            self._n_losses += 1
+            if to_device is not None:
+                batch = to_device(batch, self.device)
+            if autocast is None:
+                loss = training_step(batch).loss
+            else:
+                with autocast():
+                    loss = training_step(batch).loss
+            precision.backward(loss / accumulate if accumulate > 1 else loss)
+            losses.append(loss.detach())
             self.batch_in_epoch += 1
-            samples += self.task.batch_size(batch)
-            self.bar.update()
-            if self.batch_in_epoch % self.accumulate == 0 or self.batch_in_epoch == self.train_batches:
+            samples += batch_size(batch)
+            if bar is not None:
+                bar.update()
+            if accumulate == 1 or self.batch_in_epoch % accumulate == 0 or self.batch_in_epoch == train_batches:
                 self._optimizer_step()
-                if self.step % self.log_every == 0:
+                if self.step % log_every == 0:
                     self._flush_train_log()
                 if self.on_signal:
                     signum = self._stop_signal(watch)
                     if signum is not None:
                         self._stop(signum)
                 # Mid-epoch only: a checkpoint at an epoch's end waits until after its validation.
-                if self.batch_in_epoch < self.train_batches and self.checkpoints.due_periodic(self.step):
-                    self.checkpoints.save(self.step, self._write_checkpoint, periodic=True)
-                if self.max_steps > 0 and self.step >= self.max_steps:
+                if periodic and self.batch_in_epoch < train_batches and checkpoints.due_periodic(self.step):
+                    checkpoints.save(self.step, self._write_checkpoint, periodic=True)
+                if 0 < max_steps <= self.step:
                     break
-        seconds = time.perf_counter() - epoch_start
+        seconds = clock() - epoch_start
         batches_run = self.batch_in_epoch - first_batch
         if batches_run and seconds > 0:
             self.logger.log_metrics({"perf/samples_per_s": samples / seconds,
@@ -319,8 +334,7 @@ class Trainer:
         self.logger.flush()
 
     def _optimizer_step(self) -> None:
-        t = self.cfg.trainer
-        stepped = self.precision.step(self.optimizer, self.params, t.grad_clip_norm, t.grad_clip_value)
+        stepped = self.precision.step(self.optimizer, self.params, self._clip_norm, self._clip_value)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         # The scheduler follows the optimizer, and does not advance for a step the GradScaler skipped.
@@ -328,11 +342,15 @@ class Trainer:
         if stepped and s is not None and s.interval == "step" and self.step % s.frequency == 0:
             s.scheduler.step()
 
+    def _window_losses(self) -> torch.Tensor:
+        """The losses of the current logging window as one tensor (on the device; no sync)."""
+        return torch.stack(self._losses).float() if self._losses else torch.zeros(0, device=self.device)
+
     def _flush_train_log(self) -> None:
         """Log the window's mean loss (the one host sync of the window) and stop if any loss was not finite."""
-        if self._n_losses == 0:
+        if not self._losses:
             return
-        losses = self._losses[: self._n_losses]
+        losses = self._window_losses()
         finite = torch.isfinite(losses)
         mean, all_finite = torch.stack([losses.mean(), finite.all().float()]).tolist()
         if not all_finite:
@@ -351,7 +369,8 @@ class Trainer:
         self.logger.log_metrics(metrics, self.step)
         self.bar.show({"train/loss": mean})
         self._record({"train/loss": mean})
-        self._n_losses, self._window_first_step = 0, self.step
+        self._losses.clear()  # in place: _train_epoch holds this list
+        self._window_first_step = self.step
 
     def _stop(self, signum: int) -> None:
         """Save `last` at this exact position (mid-epoch included), then end the run."""

@@ -1,0 +1,81 @@
+"""The overhead benchmark's pieces work: `experiment=bench` composes to the specified workload and trains, the
+hand-written loops train on the same data, and bench/overhead.py runs end to end. No wall-clock assertion:
+times depend on the machine (bench/RESULTS.md has the figures)."""
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, read_scalars
+from experiments.synthetic import classification
+from framework.trainer import Trainer
+
+sys.path.insert(0, str(ROOT / "bench"))
+import handwritten  # noqa: E402
+import overhead  # noqa: E402
+
+
+def test_synthetic_data_is_the_specified_seeded_classification():
+    x, y = classification().tensors
+    assert x.shape == (32_768, 128) and x.dtype == torch.float32
+    assert y.shape == (32_768,) and y.dtype == torch.int64
+    assert abs(float(x.mean())) < 0.01 and abs(float(x.std()) - 1) < 0.01  # standard normal
+    assert set(y.unique().tolist()) == set(range(10))
+    again_x, again_y = classification().tensors
+    assert torch.equal(x, again_x) and torch.equal(y, again_y)
+    assert not torch.equal(x, classification(seed=1).tensors[0])
+
+
+def test_bench_experiment_composes_to_the_workload_and_trains(compose, tmp_path):
+    cfg = compose("experiment=bench", "trainer.max_steps=5", "trainer.log_every_n_steps=2")
+    assert cfg.name == "bench"
+    assert cfg.data.batch_size == 128 and cfg.data.shuffle and cfg.data.drop_last
+    assert cfg.data.val is None and cfg.data.test is None and not cfg.trainer.test
+    assert not cfg.logger.progress_bar and cfg.logger.tensorboard
+    assert cfg.precision.mode.value == "fp32" and cfg.parallel.strategy.value == "single"
+
+    trainer = Trainer(cfg, tmp_path)
+    model = trainer.strategy.unwrap(trainer.task.model)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert [(m.in_features, m.out_features) for m in linears] == [(128, 256), (256, 256), (256, 10)]
+    assert len(trainer.optimizer.param_groups) == 1
+    group = trainer.optimizer.param_groups[0]
+    assert (group["lr"], group["momentum"], group["weight_decay"], group["nesterov"]) == (0.05, 0.9, 0.0, False)
+    assert trainer.data.num_batches("train") == 32_768 // 128
+    # The framework and the hand-written loops train on the same tensors.
+    for ours, theirs in zip(trainer.data.datasets["train"].tensors, classification(seed=handwritten.DATA_SEED).tensors):
+        assert torch.equal(ours, theirs)
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        summary = trainer.fit()
+    assert summary["step"] == 5
+    assert [step for step, _ in read_scalars(tmp_path)["train/loss"]] == [2, 4, 5]
+
+
+def test_hand_written_loops_start_from_the_framework_initial_weights(compose, tmp_path):
+    trainer = Trainer(compose("experiment=bench", "trainer.max_steps=1"), tmp_path)
+    ours = [p.detach() for p in trainer.task.model.parameters()]
+    torch.manual_seed(handwritten.SEED)
+    theirs = list(handwritten.make_model().parameters())
+    assert len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+@pytest.mark.parametrize("name", sorted(handwritten.LOOPS))
+def test_hand_written_loop_trains_and_logs(name, tmp_path, monkeypatch):
+    monkeypatch.setattr(handwritten, "LOG_EVERY", 2)
+    steps, last = handwritten.LOOPS[name](5, tmp_path)
+    assert steps == 5 and 0 < last < 10
+    assert [step for step, _ in read_scalars(tmp_path)["train/loss"]] == [2, 4]
+
+
+def test_overhead_script_runs_end_to_end(capsys):
+    timings = overhead.main(["--reps", "1", "--short", "2", "--long", "4", "--device", "cpu", "--no-lightning"])
+    assert set(timings.runs) == {"framework", "dataloader", "permutation"}
+    assert all(len(runs) == 1 for runs in timings.runs.values())
+    out = capsys.readouterr().out
+    assert "framework / dataloader" in out and "framework / permutation" in out
+    assert "lightning: not installed (or --no-lightning); skipped" in out
