@@ -18,6 +18,7 @@ import mmap
 import os
 import shutil
 import signal
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -88,14 +89,22 @@ def digest(path: Path) -> str:
             return "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)
 
 
-def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], durable: bool = True) -> str:
-    """safetensors' own writer straight to the file (no bytes object in between), then flushed to disk;
-    returns the file's checksum."""
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
+    """safetensors' own writer straight to the file (no bytes object in between); returns its checksum."""
     save_file(tensors, str(path))
-    checksum = digest(path)
-    if durable:
-        _fsync(path)
-    return checksum
+    return digest(path)
+
+
+_flusher: Optional[ThreadPoolExecutor] = None
+
+
+def _flush_in_background(path: Path) -> Future:
+    """fsync `path` on a helper thread (fsync releases the GIL), so the disk flushes one file while the next
+    is serialized: a save then blocks ~25% less than flushing each file in turn (bench/checkpoint.py)."""
+    global _flusher
+    if _flusher is None:
+        _flusher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-fsync")
+    return _flusher.submit(_fsync, path)
 
 
 def _fsync(path: Path) -> None:
@@ -121,10 +130,15 @@ def write_checkpoint(path: Path, model_state: dict[str, torch.Tensor], state: di
     tensors: dict[str, torch.Tensor] = {}
     structure = flatten(state, tensors)
     model_tensors = {k: v.detach().cpu().contiguous() for k, v in model_state.items()}
-    checksums = {MODEL_FILE: _write_tensors(tmp / MODEL_FILE, model_tensors, durable),
-                 STATE_FILE: _write_tensors(tmp / STATE_FILE, tensors, durable)}
+    checksums, flushes = {}, []
+    for name, content in ((MODEL_FILE, model_tensors), (STATE_FILE, tensors)):
+        checksums[name] = _write_tensors(tmp / name, content)
+        if durable:
+            flushes.append(_flush_in_background(tmp / name))
     meta = {**meta, "format_version": FORMAT_VERSION, "structure": structure, "checksums": checksums}
     _write(tmp / META_FILE, json.dumps(meta, indent=1).encode(), durable)
+    for flush in flushes:
+        flush.result()  # every file is on disk before the rename makes the checkpoint visible (raises its error)
     _replace_dir(tmp, path, durable)
 
 
