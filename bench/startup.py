@@ -11,7 +11,8 @@ Each repetition starts two fresh Python processes, alternating:
            first `torch.optim` optimizer, which imports `torch._dynamo` (torch.optim decorates
            `add_param_group` with `torch._disable_dynamo`, whose first call imports it).
 The framework's own start-up is the difference: Hydra composing the config, building the data, model,
-optimizer and TensorBoard writer, printing the set-up. Medians over repetitions are printed.
+optimizer and TensorBoard writer, printing the set-up, and the first batch's forward and backward (which the
+`torch` floor does not run). Medians over repetitions are printed.
 """
 from __future__ import annotations
 

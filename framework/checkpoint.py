@@ -18,6 +18,7 @@ import mmap
 import os
 import shutil
 import signal
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,8 @@ from framework.errors import ConfigError, UserError
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 1: CRC-32 checksums
+FORMAT_VERSION = 2  # written; 1 (same layout, CRC-32 checksums) is still read
+READABLE_VERSIONS = (1, 2)
 MODEL_FILE, STATE_FILE, META_FILE = "model.safetensors", "state.safetensors", "meta.json"
 
 
@@ -79,19 +81,32 @@ def _write(path: Path, data: bytes, durable: bool = True) -> None:
             os.fsync(f.fileno())
 
 
-def digest(path: Path) -> str:
+def digest(path: Path, crc32: bool = False) -> Any:
     """XXH3-64 of a file's bytes, read through a memory map: at memory speed (~20 GB/s), where CRC-32 ran at
-    2 GB/s and reading the file into a bytes object first cost more than the hash."""
+    2 GB/s and reading the file into a bytes object first cost more than the hash. `crc32`: the integer
+    CRC-32 that format version 1 recorded."""
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
-            return "xxh3_64:" + xxhash.xxh3_64_hexdigest(b"")
+            data: Any = b""
+            return zlib.crc32(data) if crc32 else "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)
+            return zlib.crc32(data) if crc32 else "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)
 
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
-    """safetensors' own writer straight to the file (no bytes object in between); returns its checksum."""
+    """safetensors' own writer straight to the file (no bytes object in between); returns its checksum.
+
+    The file's size is checked against its own header: the checksum is taken from the file, so a write that
+    failed silently (an error at close, which Rust's writer ignores) must be caught here, before the
+    checkpoint replaces the previous one."""
     save_file(tensors, str(path))
+    with open(path, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_size))
+        size = os.fstat(f.fileno()).st_size
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if size != 8 + header_size + end:
+        raise OSError(f"{path}: {size} bytes written, {8 + header_size + end} expected (a failed write)")
     return digest(path)
 
 
@@ -148,14 +163,23 @@ def _replace_dir(src: Path, dst: Path, durable: bool = True) -> None:
     old = dst.with_name(dst.name + ".old")
     if dst.exists():
         if old.exists():
-            shutil.rmtree(old)
-        os.rename(dst, old)
+            _remove_old(old)
+        os.rename(dst, old)  # fails (the previous copy kept) if a leftover `old` could not be removed
     # With no `dst`, an `old` left by a crash is the only intact copy: it goes only once `src` is in place.
     os.rename(src, dst)
     if durable:
         _fsync(dst.parent)
     if old.exists():
+        _remove_old(old)
+
+
+def _remove_old(old: Path) -> None:
+    """Best effort: the new copy is already in place, so a leftover `NAME.old` costs only disk space (some
+    file systems refuse to delete a file that a process still has open or mapped)."""
+    try:
         shutil.rmtree(old)
+    except OSError as err:
+        log.warning("Could not remove the previous copy %s (%s); it is safe to delete by hand", old, err)
 
 
 def link_checkpoint(src: Path, dst: Path, durable: bool = True) -> None:
@@ -176,34 +200,53 @@ class DamagedCheckpoint(UserError):
     pass
 
 
+class UnreadableCheckpoint(UserError):
+    """Intact, maybe, but of a format this version cannot read: never skipped (resume=auto would start over
+    and its first saves would prune the checkpoints it could not read)."""
+
+
 @dataclass
 class Checkpoint:
     path: Path
     meta: dict[str, Any]
-    verified: bool = False  # both checksums already checked (by open_checkpoint): loading does not hash again
+    # (device, inode, size, mtime) of each file whose checksum open_checkpoint checked: a load of the same
+    # file does not hash it again; a file replaced in between is checked again.
+    verified: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
 
     @property
     def step(self) -> int:
         return int(self.meta["step"])
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        return _load_checked(self.path, MODEL_FILE, self.meta, verify=not self.verified)
+        """The weights, memory-mapped copy-on-write (`load_state_dict` copies them into the model)."""
+        return self._load(MODEL_FILE)
 
     def state(self) -> dict[str, Any]:
-        return unflatten(self.meta["structure"],
-                         _load_checked(self.path, STATE_FILE, self.meta, verify=not self.verified))
+        """The training state, in memory of its own: optimizer state would otherwise keep the file mapped
+        for the whole run (load_state_dict does not copy tensors already on the right device), and a mapped
+        file cannot be deleted cleanly on every file system when a later save prunes it."""
+        tensors = {k: v.clone() for k, v in self._load(STATE_FILE).items()}
+        return unflatten(self.meta["structure"], tensors)
+
+    def _load(self, name: str) -> dict[str, torch.Tensor]:
+        if self.verified.get(name) != _identity(self.path / name):
+            _verify(self.path, name, self.meta)
+        return _load_tensors(self.path, name)
+
+
+def _identity(path: Path) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _verify(path: Path, name: str, meta: dict[str, Any]) -> None:
-    if digest(path / name) != meta["checksums"][name]:
+    expected = meta["checksums"][name]
+    if digest(path / name, crc32=isinstance(expected, int)) != expected:
         raise DamagedCheckpoint(f"checkpoint {path}: {name} does not match its checksum (damaged or truncated)")
 
 
-def _load_checked(path: Path, name: str, meta: dict[str, Any], verify: bool = True) -> dict[str, torch.Tensor]:
-    """The tensors of a file whose checksum matches; memory-mapped, copy-on-write (a change to a loaded
-    tensor never reaches the file)."""
-    if verify:
-        _verify(path, name, meta)
+def _load_tensors(path: Path, name: str) -> dict[str, torch.Tensor]:
+    """The tensors of a checked file, memory-mapped copy-on-write (a change never reaches the file)."""
     try:
         return load_file(str(path / name))
     except SafetensorError as err:  # a file written with its checksum but not by safetensors
@@ -219,8 +262,13 @@ def open_checkpoint(path: Path, verify: bool = True) -> Checkpoint:
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DamagedCheckpoint(f"checkpoint {path}: {META_FILE} is not valid JSON ({err})") from None
     version = meta.get("format_version") if isinstance(meta, dict) else None
-    if version != FORMAT_VERSION:
-        raise DamagedCheckpoint(f"checkpoint {path}: format version {version!r}; expected {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        if isinstance(version, int) and version > FORMAT_VERSION:
+            raise UnreadableCheckpoint(f"checkpoint {path}: format version {version} comes from a newer version of "
+                                       f"this framework, which reads versions {', '.join(map(str, READABLE_VERSIONS))}"
+                                       "; expected one of those (upgrade the framework to load it)")
+        raise DamagedCheckpoint(f"checkpoint {path}: format version {version!r}; expected one of "
+                                f"{', '.join(map(str, READABLE_VERSIONS))}")
     checksums = meta["checksums"] if isinstance(meta.get("checksums"), dict) else {}
     lacking = [key for key in ("step", "structure", "config") if key not in meta]
     lacking += [f"checksums.{name}" for name in (MODEL_FILE, STATE_FILE) if name not in checksums]
@@ -229,9 +277,13 @@ def open_checkpoint(path: Path, verify: bool = True) -> Checkpoint:
     for name in (MODEL_FILE, STATE_FILE):
         if not (path / name).is_file():
             raise DamagedCheckpoint(f"checkpoint {path}: {name} is missing")
-        if verify:
+    verified = {}
+    if verify:
+        for name in (MODEL_FILE, STATE_FILE):
+            identity = _identity(path / name)
             _verify(path, name, meta)
-    return Checkpoint(path, meta, verified=verify)
+            verified[name] = identity
+    return Checkpoint(path, meta, verified)
 
 
 def find_latest(run_dir: Path) -> Optional[Checkpoint]:

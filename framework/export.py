@@ -81,8 +81,16 @@ def export(checkpoint: Checkpoint, out: Path, mode: str = "trace") -> dict[str, 
     check_compatible(model, weights, f"checkpoint {checkpoint.path}", strict=True)
     model.load_state_dict(weights)
     batch = example_batch(checkpoint)
-    with torch.no_grad():
-        expected = model(batch)
+    try:
+        with torch.no_grad():
+            expected = model(batch)
+    except Exception as err:  # noqa: BLE001  (whatever the user's forward raises)
+        raise UserError(f"{type(model).__name__} did not run on a random float batch of shape {list(batch.shape)} "
+                        f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}); "
+                        "export expects a model taking one float tensor of data.input_shape") from None
+    if not isinstance(expected, torch.Tensor):
+        raise UserError(f"{type(model).__name__} returned a {type(expected).__name__}; export expects a model "
+                        "returning one tensor (TorchScript outputs are compared with it)")
 
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in model.state_dict().items()}

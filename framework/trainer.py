@@ -344,7 +344,9 @@ class Trainer:
 
     def _window_losses(self) -> torch.Tensor:
         """The losses of the current logging window as one tensor (on the device; no sync)."""
-        return torch.stack(self._losses).float() if self._losses else torch.zeros(0, device=self.device)
+        if not self._losses:
+            return torch.zeros(0, device=self.device)
+        return torch.stack([loss.reshape(()) for loss in self._losses]).float()  # a loss of shape [1] too
 
     def _flush_train_log(self) -> None:
         """Log the window's mean loss (the one host sync of the window) and stop if any loss was not finite."""

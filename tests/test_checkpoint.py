@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import output, read_scalars, run_cli
-from framework.checkpoint import (META_FILE, MODEL_FILE, STATE_FILE, CheckpointManager, check_compatible,
-                                  find_latest, load_weights, open_checkpoint,
-                                  write_checkpoint)
+from framework.checkpoint import (META_FILE, MODEL_FILE, STATE_FILE, CheckpointManager, DamagedCheckpoint,
+                                  UnreadableCheckpoint, check_compatible, find_latest, load_weights,
+                                  open_checkpoint, write_checkpoint)
 from framework.errors import ConfigError
 from framework.instantiate import build
 from framework.resume import find_checkpoint
@@ -232,6 +233,42 @@ def test_checkpoint_fsync_false_writes_the_same_files(tmp_path):
     assert torch.equal(weights["w"], model["w"]) and loaded.state()["n"] == 3
     weights["w"].add_(1)  # loaded tensors map the file copy-on-write: changing one leaves the file as it was
     assert torch.equal(open_checkpoint(tmp_path / "fast").model_state()["w"], model["w"])
+
+
+def set_meta(ck: Path, **changes) -> None:
+    meta = json.loads((ck / META_FILE).read_text())
+    replace(ck / META_FILE, json.dumps({**meta, **changes}).encode())
+
+
+def test_a_format_1_checkpoint_with_crc32_checksums_still_loads(tmp_path):
+    small_checkpoint(tmp_path / "checkpoints" / "last", 7)
+    last = tmp_path / "checkpoints" / "last"
+    set_meta(last, format_version=1, checksums={name: zlib.crc32((last / name).read_bytes())
+                                                for name in (MODEL_FILE, STATE_FILE)})
+    found = find_latest(tmp_path)
+    assert found is not None and found.step == 7 and found.meta["format_version"] == 1
+    assert torch.equal(found.model_state()["w"], torch.full((3,), 7.0))
+    flip_a_byte(last)  # and its CRC-32 still catches damage
+    with pytest.raises(DamagedCheckpoint, match="does not match its checksum"):
+        open_checkpoint(last)
+
+
+def test_a_checkpoint_of_a_newer_format_stops_discovery_instead_of_being_skipped(tmp_path):
+    """resume=auto must not start over on top of checkpoints it cannot read: its first saves would prune them."""
+    small_checkpoint(tmp_path / "checkpoints" / "step-5", 5)
+    small_checkpoint(tmp_path / "checkpoints" / "last", 9)
+    set_meta(tmp_path / "checkpoints" / "last", format_version=99)
+    with pytest.raises(UnreadableCheckpoint, match="format version 99 comes from a newer version"):
+        find_latest(tmp_path)
+
+
+def test_a_file_replaced_after_it_was_verified_is_verified_again(tmp_path):
+    last = tmp_path / "last"
+    small_checkpoint(last, 3)
+    opened = open_checkpoint(last)
+    flip_a_byte(last)  # e.g. a run still writing replaced it between discovery and loading
+    with pytest.raises(DamagedCheckpoint, match="does not match its checksum"):
+        opened.model_state()
 
 
 # ---------------------------------------------------------------------------------------------- 3. damage
