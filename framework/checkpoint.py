@@ -287,17 +287,25 @@ def open_checkpoint(path: Path, verify: bool = True) -> Checkpoint:
 
 
 def find_latest(run_dir: Path) -> Optional[Checkpoint]:
-    """The newest intact checkpoint of a run; damaged ones are skipped with a warning naming them."""
+    """The newest intact checkpoint of a run; damaged ones are skipped with a warning naming them.
+
+    Every meta.json is read, but data files are hashed newest first and only until one is intact: a run that
+    keeps every periodic checkpoint does not re-read all of them to resume from the last."""
     folder = run_dir / "checkpoints"
     candidates = [p for p in folder.iterdir() if p.is_dir() and not p.name.endswith(".tmp")] if folder.is_dir() else []
-    found = []
+    described = []
     for path in candidates:
         try:
-            found.append(open_checkpoint(path))
+            described.append(open_checkpoint(path, verify=False))
         except DamagedCheckpoint as err:
             log.warning("Skipping a damaged checkpoint: %s", err)
     # Newest step first; at equal steps any copy will do (last and step-N hold the same state).
-    return max(found, key=lambda c: (c.step, c.path.name == "last"), default=None)
+    for checkpoint in sorted(described, key=lambda c: (c.step, c.path.name == "last"), reverse=True):
+        try:
+            return open_checkpoint(checkpoint.path)
+        except DamagedCheckpoint as err:
+            log.warning("Skipping a damaged checkpoint: %s", err)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- weights
