@@ -7,6 +7,8 @@ A checkpoint is a directory:
   tensors, XXH3-64 checksums of both files and the format version.
 It is written as `NAME.tmp/`, flushed to disk, then renamed into place, so a crash mid-save never damages
 an existing checkpoint. Loading reads only JSON and safetensors: a checkpoint cannot run code.
+With `async_save`, the training loop waits only for a copy of the state into reused host buffers; writing,
+hashing, flushing and renaming happen on a background thread (as torch.distributed.checkpoint.async_save).
 This module knows nothing of what the state means: the trainer hands it plain nested dicts of tensors
 and primitives (what `state_dict()` methods return) and gets the same back.
 """
@@ -43,7 +45,7 @@ def flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
     """A JSON-able copy of `obj` with every tensor moved into `tensors` (replaced by a reference to it)."""
     if isinstance(obj, torch.Tensor):
         key = path or "root"
-        tensors[key] = obj.detach().cpu().contiguous()
+        tensors[key] = obj.detach()  # still the live tensor: the writer copies it (to CPU, contiguous)
         return {"__tensor__": key}
     if isinstance(obj, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in obj):
@@ -110,16 +112,16 @@ def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
     return digest(path)
 
 
-_flusher: Optional[ThreadPoolExecutor] = None
+_helpers: Optional[ThreadPoolExecutor] = None
 
 
-def _flush_in_background(path: Path) -> Future:
-    """fsync `path` on a helper thread (fsync releases the GIL), so the disk flushes one file while the next
-    is serialized: a save then blocks ~25% less than flushing each file in turn (bench/checkpoint.py)."""
-    global _flusher
-    if _flusher is None:
-        _flusher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-fsync")
-    return _flusher.submit(_fsync, path)
+def _in_helper(fn: Any, *args: Any) -> Future:
+    """Run `fn` on a helper thread. For fsync and XXH3, which release the GIL: the disk flushes one file while
+    the next is serialized (a save blocks ~25% less), and a load hashes its two files on two cores."""
+    global _helpers
+    if _helpers is None:
+        _helpers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-io")
+    return _helpers.submit(fn, *args)
 
 
 def _fsync(path: Path) -> None:
@@ -144,17 +146,76 @@ def write_checkpoint(path: Path, model_state: dict[str, torch.Tensor], state: di
     tmp.mkdir(parents=True)
     tensors: dict[str, torch.Tensor] = {}
     structure = flatten(state, tensors)
-    model_tensors = {k: v.detach().cpu().contiguous() for k, v in model_state.items()}
     checksums, flushes = {}, []
-    for name, content in ((MODEL_FILE, model_tensors), (STATE_FILE, tensors)):
-        checksums[name] = _write_tensors(tmp / name, content)
+    for name, content in ((MODEL_FILE, model_state), (STATE_FILE, tensors)):
+        checksums[name] = _write_tensors(tmp / name, {k: v.detach().cpu().contiguous() for k, v in content.items()})
         if durable:
-            flushes.append(_flush_in_background(tmp / name))
+            flushes.append(_in_helper(_fsync, tmp / name))
     meta = {**meta, "format_version": FORMAT_VERSION, "structure": structure, "checksums": checksums}
     _write(tmp / META_FILE, json.dumps(meta, indent=1).encode(), durable)
     for flush in flushes:
         flush.result()  # every file is on disk before the rename makes the checkpoint visible (raises its error)
     _replace_dir(tmp, path, durable)
+
+
+class CheckpointWriter:
+    """Writes checkpoints in order, inline or (`background`) on one background thread.
+
+    In the background, `write` returns once the state is copied into host buffers that the next save reuses
+    (no allocation after the first save; pinned memory for CUDA tensors): the loop then goes on while the
+    files are written, hashed, flushed and renamed into place. Only one save is in flight: the next `write`
+    first waits for the previous one. A failure of a background save is raised by the next `write` or
+    `wait`. A crash at any point leaves the previous checkpoint intact, as an inline save does."""
+
+    def __init__(self, durable: bool = True, background: bool = False) -> None:
+        self.durable, self.background = durable, background
+        self._thread: Optional[ThreadPoolExecutor] = None
+        self._pending: list[Future] = []
+        self._staging: dict[str, torch.Tensor] = {}
+
+    def write(self, path: Path, model_state: dict[str, torch.Tensor], state: dict[str, Any],
+              meta: dict[str, Any]) -> None:
+        if not self.background:
+            write_checkpoint(path, model_state, state, meta, self.durable)
+            return
+        self.wait()  # the staging buffers are about to be overwritten
+        live: dict[str, torch.Tensor] = {}
+        structure = flatten({"model": dict(model_state), "state": state}, live)
+        staged = self._stage(live)
+        copy = unflatten(structure, staged)
+        self.call(write_checkpoint, path, copy["model"], copy["state"], meta, self.durable)
+
+    def call(self, fn: Any, *args: Any) -> None:
+        """Run `fn(*args)` after every write queued before it (links and pruning must follow their save)."""
+        if not self.background:
+            fn(*args)
+            return
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._pending.append(self._thread.submit(fn, *args))
+
+    def wait(self) -> None:
+        """Block until every queued save is on disk; raises the first error of one that failed."""
+        pending, self._pending = self._pending, []
+        errors = [f.exception() for f in pending]  # waits for all of them, even after a failure
+        for error in errors:
+            if error is not None:
+                raise error
+
+    def _stage(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy every tensor into its reused host buffer (allocated on first use or when its shape changes)."""
+        staged, on_gpu = {}, False
+        for key, tensor in live.items():
+            buffer = self._staging.get(key)
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            buffer.copy_(tensor, non_blocking=tensor.is_cuda)
+            on_gpu |= tensor.is_cuda
+            staged[key] = buffer
+        if on_gpu:
+            torch.cuda.synchronize()  # the non-blocking copies must have landed before the writer reads them
+        self._staging = staged  # buffers of tensors the state no longer has are freed
+        return staged
 
 
 def _replace_dir(src: Path, dst: Path, durable: bool = True) -> None:
@@ -279,10 +340,14 @@ def open_checkpoint(path: Path, verify: bool = True) -> Checkpoint:
             raise DamagedCheckpoint(f"checkpoint {path}: {name} is missing")
     verified = {}
     if verify:
-        for name in (MODEL_FILE, STATE_FILE):
-            identity = _identity(path / name)
-            _verify(path, name, meta)
-            verified[name] = identity
+        names = (MODEL_FILE, STATE_FILE)
+        identities = [_identity(path / name) for name in names]
+        checks = [_in_helper(_verify, path, name, meta) for name in names]  # both files at once
+        errors = [check.exception() for check in checks]
+        for error in errors:
+            if error is not None:
+                raise error
+        verified = dict(zip(names, identities))
     return Checkpoint(path, meta, verified)
 
 
@@ -371,8 +436,12 @@ class CheckpointManager:
     save_top_k: int = 0
     enabled: bool = True  # False on non-zero ranks and in fast_dev_run: decisions still made, nothing written
     fsync: bool = True  # flush to disk (see write_checkpoint's `durable`)
+    async_save: bool = False  # write on a background thread (see CheckpointWriter)
     periodic: list[str] = field(default_factory=list)  # names, oldest first
     top_k: list[tuple[float, str]] = field(default_factory=list)  # (metric, name), best first
+
+    def __post_init__(self) -> None:
+        self.writer = CheckpointWriter(durable=self.fsync, background=self.async_save)
 
     @property
     def active(self) -> bool:
@@ -402,7 +471,8 @@ class CheckpointManager:
 
         Called on every rank with the same arguments: the registry is kept everywhere so every rank makes
         the same decisions, and `write(path)` runs everywhere (it may gather state from all ranks), but
-        files are written and deleted by the enabled rank only (`write(None)` elsewhere)."""
+        files are written and deleted by the enabled rank only (`write(None)` elsewhere). `write` hands the
+        state to `self.writer`; the links and the pruning are queued after it."""
         top = self.improves(metrics)
         keep = periodic or top
         if not (keep or self.save_last):
@@ -423,14 +493,17 @@ class CheckpointManager:
         if not self.enabled:
             return
         if keep and self.save_last:
-            link_checkpoint(target, self.folder / "last", self.fsync)
+            self.writer.call(link_checkpoint, target, self.folder / "last", self.fsync)
         if top and self.top_k[0][1] == name:
-            link_checkpoint(target, self.folder / "best", self.fsync)
-        self._prune()
+            self.writer.call(link_checkpoint, target, self.folder / "best", self.fsync)
+        self.writer.call(self._prune, set(self.periodic) | {name for _, name in self.top_k})
 
-    def _prune(self) -> None:
+    def wait(self) -> None:
+        """Until every save so far is on disk (raises the error of one that failed)."""
+        self.writer.wait()
+
+    def _prune(self, kept: set[str]) -> None:
         """Delete `step-N` folders that no policy keeps any more."""
-        kept = set(self.periodic) | {name for _, name in self.top_k}
         for path in self.folder.glob("step-*"):
             if path.is_dir() and not path.name.endswith((".tmp", ".old")) and path.name not in kept:
                 shutil.rmtree(path, ignore_errors=True)

@@ -59,6 +59,7 @@ class CheckpointConfig:
     save_top_k: int = 0
     on_signal: bool = False
     fsync: bool = True  # flush each checkpoint to disk before it counts (false: atomic for the process only)
+    async_save: bool = True  # write on a background thread; the loop waits only for a copy of the state
 
 
 class PrecisionMode(str, Enum):

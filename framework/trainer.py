@@ -19,8 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from framework import reproducibility
-from framework.checkpoint import (Checkpoint, CheckpointManager, SignalWatch, check_compatible, load_weights,
-                                  write_checkpoint)
+from framework.checkpoint import Checkpoint, CheckpointManager, SignalWatch, check_compatible, load_weights
 from framework.data import DataModule
 from framework.errors import ConfigError, Interrupted, UserError
 from framework.instantiate import build
@@ -115,7 +114,8 @@ class Trainer:
         self.checkpoints = CheckpointManager(
             self.run_dir / "checkpoints", save_last=ck.save_last, every_n_steps=ck.every_n_steps,
             every_n_epochs=ck.every_n_epochs, keep_last=ck.keep_last, monitor=ck.monitor, mode=ck.mode.value,
-            save_top_k=ck.save_top_k, enabled=rank_zero and not self.fast_dev_run, fsync=ck.fsync)
+            save_top_k=ck.save_top_k, enabled=rank_zero and not self.fast_dev_run, fsync=ck.fsync,
+            async_save=ck.async_save)
         self.on_signal = ck.on_signal and not self.fast_dev_run
         self.resume_from = resume_from
         # On resume, TensorBoard drops whatever the killed run logged after its checkpoint's step.
@@ -163,12 +163,16 @@ class Trainer:
                 self._validate()  # the summary always reports the final weights
             if self.checkpoints.save_last and self._saved_step != self.step:
                 self.checkpoints.save(self.step, self._write_checkpoint, periodic=False)
+            self.checkpoints.wait()  # every checkpoint on disk before the summary names them
             if self.cfg.trainer.test and self.data.has("test"):
                 self._record(self._evaluate("test"))
             summary = self._summary(time.perf_counter() - start)
             self.logger.log_metrics({k: v for k, v in summary.items() if k.startswith("best/")}, self.step)
             if self.hparams:
                 self.logger.end_hparams_session()
+        except BaseException:
+            self._finish_saves()
+            raise
         finally:
             self.bar.close()
             self.logger.close()
@@ -203,8 +207,15 @@ class Trainer:
         meta = {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                 "metrics": dict(self.metrics), "world_size": self.strategy.world_size,
                 "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)}
-        write_checkpoint(path, self.strategy.unwrap(self.task.model).state_dict(), state, meta,
-                         durable=self.checkpoints.fsync)
+        self.checkpoints.writer.write(path, self.strategy.unwrap(self.task.model).state_dict(), state, meta)
+
+    def _finish_saves(self) -> None:
+        """On the way out of a failed run: a save still in flight is an intact checkpoint once finished
+        (a failure of its own is logged, not raised over the error that ends the run)."""
+        try:
+            self.checkpoints.wait()
+        except Exception as err:  # noqa: BLE001
+            log.error("A checkpoint save failed: %s: %s", type(err).__name__, err)
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         model = self.strategy.unwrap(self.task.model)
@@ -378,6 +389,7 @@ class Trainer:
         """Save `last` at this exact position (mid-epoch included), then end the run."""
         self.bar.close()
         self._write_checkpoint(self.checkpoints.folder / "last" if self.checkpoints.enabled else None)
+        self.checkpoints.wait()
         name = signal.Signals(signum).name
         raise Interrupted(signum, f"Stopped by {name} at step {self.step} (epoch {self.epoch}, batch "
                                   f"{self.batch_in_epoch}); saved {self.checkpoints.folder / 'last'}. "

@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import output, read_scalars, run_cli
-from framework.checkpoint import (META_FILE, MODEL_FILE, STATE_FILE, CheckpointManager, DamagedCheckpoint,
-                                  UnreadableCheckpoint, check_compatible, find_latest, load_weights,
-                                  open_checkpoint, write_checkpoint)
+from framework.checkpoint import (META_FILE, MODEL_FILE, STATE_FILE, CheckpointManager, CheckpointWriter,
+                                  DamagedCheckpoint, UnreadableCheckpoint, check_compatible, find_latest,
+                                  load_weights, open_checkpoint, write_checkpoint)
 from framework.errors import ConfigError
 from framework.instantiate import build
 from framework.resume import find_checkpoint
@@ -238,6 +238,46 @@ def test_checkpoint_fsync_false_writes_the_same_files(tmp_path):
 def set_meta(ck: Path, **changes) -> None:
     meta = json.loads((ck / META_FILE).read_text())
     replace(ck / META_FILE, json.dumps({**meta, **changes}).encode())
+
+
+def test_a_background_save_writes_the_state_as_it_was_when_save_returned(tmp_path):
+    """async_save copies the state before returning: training may change the tensors at once."""
+    writer = CheckpointWriter(background=True)
+    weights, momentum = torch.arange(6.0), torch.ones(4)
+    writer.write(tmp_path / "a", {"w": weights}, {"opt": {"m": momentum}, "n": 1}, {"step": 1, "config": {}})
+    weights.add_(100), momentum.mul_(7)  # as the next optimizer steps do, while the files are being written
+    first = {key: buffer.data_ptr() for key, buffer in writer._staging.items()}
+    assert not set(first.values()) & {weights.data_ptr(), momentum.data_ptr()}  # copies, not the live tensors
+    writer.write(tmp_path / "b", {"w": weights}, {"opt": {"m": momentum}, "n": 2}, {"step": 2, "config": {}})
+    writer.wait()
+    a, b = open_checkpoint(tmp_path / "a"), open_checkpoint(tmp_path / "b")
+    assert torch.equal(a.model_state()["w"], torch.arange(6.0)) and torch.equal(a.state()["opt"]["m"], torch.ones(4))
+    assert torch.equal(b.model_state()["w"], weights) and torch.equal(b.state()["opt"]["m"], momentum)
+    assert (a.step, b.step) == (1, 2) and not list(tmp_path.glob("*.tmp"))
+    # The second save reused the first one's host buffers: no allocation per save.
+    assert {key: buffer.data_ptr() for key, buffer in writer._staging.items()} == first
+
+
+def test_a_background_save_that_fails_raises_at_the_next_wait_and_keeps_the_previous_one(tmp_path):
+    writer = CheckpointWriter(background=True)
+    writer.write(tmp_path / "last", {"w": torch.zeros(3)}, {}, {"step": 1, "config": {}})
+    (tmp_path / "file").write_text("not a folder")
+    writer.write(tmp_path / "file" / "last", {"w": torch.ones(3)}, {}, {"step": 2, "config": {}})
+    with pytest.raises(OSError):
+        writer.wait()
+    writer.wait()  # an error is raised once
+    assert open_checkpoint(tmp_path / "last").step == 1
+
+
+def test_async_save_writes_the_same_checkpoints_as_an_inline_save(compose, tmp_path):
+    train(compose, tmp_path / "async", *SMALL, "checkpoint.every_n_steps=1", "checkpoint.keep_last=-1")
+    train(compose, tmp_path / "inline", *SMALL, "checkpoint.every_n_steps=1", "checkpoint.keep_last=-1",
+          "checkpoint.async_save=false")
+    assert names(tmp_path / "async") == names(tmp_path / "inline") == {"last", "best", *(f"step-{s}" for s in range(1, 7))}
+    for name in names(tmp_path / "async"):
+        for file in (MODEL_FILE, STATE_FILE):
+            async_file, inline_file = (tmp_path / run / "checkpoints" / name / file for run in ("async", "inline"))
+            assert async_file.read_bytes() == inline_file.read_bytes(), (name, file)
 
 
 def test_a_format_1_checkpoint_with_crc32_checksums_still_loads(tmp_path):
