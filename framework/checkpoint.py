@@ -202,6 +202,14 @@ class CheckpointWriter:
             if error is not None:
                 raise error
 
+    def close(self) -> None:
+        """Free the thread and the host buffers (a sweep runs many trainers in one process)."""
+        self.wait()
+        if self._thread is not None:
+            self._thread.shutdown()
+            self._thread = None
+        self._staging = {}
+
     def _stage(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy every tensor into its reused host buffer (allocated on first use or when its shape changes)."""
         staged, on_gpu = {}, False

@@ -163,7 +163,7 @@ class Trainer:
                 self._validate()  # the summary always reports the final weights
             if self.checkpoints.save_last and self._saved_step != self.step:
                 self.checkpoints.save(self.step, self._write_checkpoint, periodic=False)
-            self.checkpoints.wait()  # every checkpoint on disk before the summary names them
+            self.checkpoints.writer.close()  # every checkpoint on disk before the summary names them
             if self.cfg.trainer.test and self.data.has("test"):
                 self._record(self._evaluate("test"))
             summary = self._summary(time.perf_counter() - start)
@@ -213,7 +213,7 @@ class Trainer:
         """On the way out of a failed run: a save still in flight is an intact checkpoint once finished
         (a failure of its own is logged, not raised over the error that ends the run)."""
         try:
-            self.checkpoints.wait()
+            self.checkpoints.writer.close()
         except Exception as err:  # noqa: BLE001
             log.error("A checkpoint save failed: %s: %s", type(err).__name__, err)
 

@@ -256,6 +256,8 @@ def test_a_background_save_writes_the_state_as_it_was_when_save_returned(tmp_pat
     assert (a.step, b.step) == (1, 2) and not list(tmp_path.glob("*.tmp"))
     # The second save reused the first one's host buffers: no allocation per save.
     assert {key: buffer.data_ptr() for key, buffer in writer._staging.items()} == first
+    writer.close()  # the end of fit: the thread and the buffers are freed
+    assert not writer._staging and writer._thread is None
 
 
 def test_a_background_save_that_fails_raises_at_the_next_wait_and_keeps_the_previous_one(tmp_path):
