@@ -95,6 +95,20 @@ def digest(path: Path, crc32: bool = False) -> Any:
             return zlib.crc32(data) if crc32 else "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)
 
 
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, and no two sharing memory: safetensors refuses shared tensors (tied weights, e.g. an
+    embedding reused as the output layer), so a tensor whose memory an earlier one uses is stored as a copy
+    (load_state_dict ties them again, since it copies into the model's own parameters)."""
+    out, seen = {}, set()
+    for key, value in tensors.items():
+        value = value.detach().cpu().contiguous()
+        if value.numel() and value.untyped_storage().data_ptr() in seen:
+            value = value.clone()
+        seen.add(value.untyped_storage().data_ptr())
+        out[key] = value
+    return out
+
+
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
     """safetensors' own writer straight to the file (no bytes object in between); returns its checksum.
 
@@ -148,7 +162,7 @@ def write_checkpoint(path: Path, model_state: dict[str, torch.Tensor], state: di
     structure = flatten(state, tensors)
     checksums, flushes = {}, []
     for name, content in ((MODEL_FILE, model_state), (STATE_FILE, tensors)):
-        checksums[name] = _write_tensors(tmp / name, {k: v.detach().cpu().contiguous() for k, v in content.items()})
+        checksums[name] = _write_tensors(tmp / name, _unshared(content))
         if durable:
             flushes.append(_in_helper(_fsync, tmp / name))
     meta = {**meta, "format_version": FORMAT_VERSION, "structure": structure, "checksums": checksums}
@@ -164,26 +178,35 @@ class CheckpointWriter:
     In the background, `write` returns once the state is copied into host buffers that the next save reuses
     (no allocation after the first save; pinned memory for CUDA tensors): the loop then goes on while the
     files are written, hashed, flushed and renamed into place. Only one save is in flight: the next `write`
-    first waits for the previous one. A failure of a background save is raised by the next `write` or
-    `wait`. A crash at any point leaves the previous checkpoint intact, as an inline save does."""
+    first waits for the previous one. A failure is logged when it happens, skips what was queued after it
+    (the links and the pruning that assumed the save), and is raised by the next `write` (after it has
+    queued its own save) or `wait`. A crash at any point leaves the previous checkpoint intact, as an inline
+    save does."""
 
     def __init__(self, durable: bool = True, background: bool = False) -> None:
         self.durable, self.background = durable, background
         self._thread: Optional[ThreadPoolExecutor] = None
         self._pending: list[Future] = []
         self._staging: dict[str, torch.Tensor] = {}
+        self._failure: Optional[BaseException] = None  # set by the writer thread, cleared by wait()
 
     def write(self, path: Path, model_state: dict[str, torch.Tensor], state: dict[str, Any],
               meta: dict[str, Any]) -> None:
         if not self.background:
             write_checkpoint(path, model_state, state, meta, self.durable)
             return
-        self.wait()  # the staging buffers are about to be overwritten
+        try:
+            self.wait()  # the staging buffers are about to be overwritten
+            earlier = None
+        except Exception as err:  # noqa: BLE001  (this save is still worth making: it may be a signal's `last`)
+            earlier = err
         live: dict[str, torch.Tensor] = {}
         structure = flatten({"model": dict(model_state), "state": state}, live)
         staged = self._stage(live)
         copy = unflatten(structure, staged)
         self.call(write_checkpoint, path, copy["model"], copy["state"], meta, self.durable)
+        if earlier is not None:
+            raise earlier
 
     def call(self, fn: Any, *args: Any) -> None:
         """Run `fn(*args)` after every write queued before it (links and pruning must follow their save)."""
@@ -192,12 +215,23 @@ class CheckpointWriter:
             return
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-        self._pending.append(self._thread.submit(fn, *args))
+        self._pending.append(self._thread.submit(self._run, fn, args))
+
+    def _run(self, fn: Any, args: tuple) -> None:
+        if self._failure is not None:
+            return  # a save failed: the links and the pruning queued after it must not run
+        try:
+            fn(*args)
+        except BaseException as err:
+            self._failure = err
+            log.error("A checkpoint save failed (%s: %s); the previous checkpoints are kept", type(err).__name__, err)
+            raise
 
     def wait(self) -> None:
         """Block until every queued save is on disk; raises the first error of one that failed."""
         pending, self._pending = self._pending, []
         errors = [f.exception() for f in pending]  # waits for all of them, even after a failure
+        self._failure = None
         for error in errors:
             if error is not None:
                 raise error
@@ -212,16 +246,17 @@ class CheckpointWriter:
 
     def _stage(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy every tensor into its reused host buffer (allocated on first use or when its shape changes)."""
-        staged, on_gpu = {}, False
+        staged, devices = {}, set()
         for key, tensor in live.items():
             buffer = self._staging.get(key)
             if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
                 buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
             buffer.copy_(tensor, non_blocking=tensor.is_cuda)
-            on_gpu |= tensor.is_cuda
+            if tensor.is_cuda:
+                devices.add(tensor.device)
             staged[key] = buffer
-        if on_gpu:
-            torch.cuda.synchronize()  # the non-blocking copies must have landed before the writer reads them
+        for device in devices:
+            torch.cuda.synchronize(device)  # the non-blocking copies must have landed before the writer reads them
         self._staging = staged  # buffers of tensors the state no longer has are freed
         return staged
 

@@ -271,6 +271,48 @@ def test_a_background_save_that_fails_raises_at_the_next_wait_and_keeps_the_prev
     assert open_checkpoint(tmp_path / "last").step == 1
 
 
+def test_a_failed_background_save_prunes_nothing(tmp_path):
+    """The pruning queued after a save assumes it succeeded: after a failure it must not run, or the older
+    periodic checkpoint (the only one left with keep_last=1) would go."""
+    manager = CheckpointManager(tmp_path, every_n_steps=1, keep_last=1, async_save=True)
+
+    def write(path, step):
+        manager.writer.write(path, {"w": torch.full((3,), float(step))}, {}, {"step": step, "config": {}})
+
+    manager.save(1, lambda path: write(path, 1), periodic=True)
+    manager.wait()
+    (tmp_path / "step-2.tmp").write_text("in the way")  # the save of step 2 cannot create its folder
+    manager.save(2, lambda path: write(path, 2), periodic=True)
+    with pytest.raises(OSError):
+        manager.wait()
+    assert open_checkpoint(tmp_path / "step-1").step == 1
+
+
+def test_a_save_after_a_failed_one_is_still_written_then_the_failure_raised(tmp_path):
+    """A signal's save of `last` must not be lost because an earlier background save failed."""
+    writer = CheckpointWriter(background=True)
+    (tmp_path / "file").write_text("not a folder")
+    writer.write(tmp_path / "file" / "step-1", {"w": torch.zeros(3)}, {}, {"step": 1, "config": {}})
+    with pytest.raises(OSError):
+        writer.write(tmp_path / "last", {"w": torch.ones(3)}, {}, {"step": 2, "config": {}})
+    writer.wait()
+    assert open_checkpoint(tmp_path / "last").step == 2
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "async"])
+def test_tied_weights_are_saved_and_restored_tied(tmp_path, background):
+    """safetensors refuses tensors sharing memory: an embedding tied to the output layer is stored twice."""
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5, bias=False))
+    model[1].weight = model[0].weight
+    writer = CheckpointWriter(background=background)
+    writer.write(tmp_path / "last", model.state_dict(), {}, {"step": 1, "config": {}})
+    writer.wait()
+    restored = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5, bias=False))
+    restored[1].weight = restored[0].weight
+    restored.load_state_dict(open_checkpoint(tmp_path / "last").model_state())
+    assert torch.equal(restored[0].weight, model[0].weight) and restored[1].weight is restored[0].weight
+
+
 def test_async_save_writes_the_same_checkpoints_as_an_inline_save(compose, tmp_path):
     train(compose, tmp_path / "async", *SMALL, "checkpoint.every_n_steps=1", "checkpoint.keep_last=-1")
     train(compose, tmp_path / "inline", *SMALL, "checkpoint.every_n_steps=1", "checkpoint.keep_last=-1",
