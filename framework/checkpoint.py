@@ -138,6 +138,14 @@ def _in_helper(fn: Any, *args: Any) -> Future:
     return _helpers.submit(fn, *args)
 
 
+def _join(futures: list[Future]) -> None:
+    """Wait for every one of `futures` (even after one failed), then raise the first failure."""
+    errors = [future.exception() for future in futures]
+    for error in errors:
+        if error is not None:
+            raise error
+
+
 def _fsync(path: Path) -> None:
     """Flush a file's (or a directory's entries') data to disk."""
     fd = os.open(path, os.O_RDONLY)
@@ -230,11 +238,10 @@ class CheckpointWriter:
     def wait(self) -> None:
         """Block until every queued save is on disk; raises the first error of one that failed."""
         pending, self._pending = self._pending, []
-        errors = [f.exception() for f in pending]  # waits for all of them, even after a failure
-        self._failure = None
-        for error in errors:
-            if error is not None:
-                raise error
+        try:
+            _join(pending)
+        finally:
+            self._failure = None
 
     def close(self) -> None:
         """Free the thread and the host buffers (a sweep runs many trainers in one process)."""
@@ -385,11 +392,7 @@ def open_checkpoint(path: Path, verify: bool = True) -> Checkpoint:
     if verify:
         names = (MODEL_FILE, STATE_FILE)
         identities = [_identity(path / name) for name in names]
-        checks = [_in_helper(_verify, path, name, meta) for name in names]  # both files at once
-        errors = [check.exception() for check in checks]
-        for error in errors:
-            if error is not None:
-                raise error
+        _join([_in_helper(_verify, path, name, meta) for name in names])  # both files at once
         verified = dict(zip(names, identities))
     return Checkpoint(path, meta, verified)
 
@@ -540,10 +543,6 @@ class CheckpointManager:
         if top and self.top_k[0][1] == name:
             self.writer.call(link_checkpoint, target, self.folder / "best", self.fsync)
         self.writer.call(self._prune, set(self.periodic) | {name for _, name in self.top_k})
-
-    def wait(self) -> None:
-        """Until every save so far is on disk (raises the error of one that failed)."""
-        self.writer.wait()
 
     def _prune(self, kept: set[str]) -> None:
         """Delete `step-N` folders that no policy keeps any more."""

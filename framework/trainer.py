@@ -389,7 +389,7 @@ class Trainer:
         """Save `last` at this exact position (mid-epoch included), then end the run."""
         self.bar.close()
         self._write_checkpoint(self.checkpoints.folder / "last" if self.checkpoints.enabled else None)
-        self.checkpoints.wait()
+        self.checkpoints.writer.wait()
         name = signal.Signals(signum).name
         raise Interrupted(signum, f"Stopped by {name} at step {self.step} (epoch {self.epoch}, batch "
                                   f"{self.batch_in_epoch}); saved {self.checkpoints.folder / 'last'}. "

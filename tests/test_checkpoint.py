@@ -280,11 +280,11 @@ def test_a_failed_background_save_prunes_nothing(tmp_path):
         manager.writer.write(path, {"w": torch.full((3,), float(step))}, {}, {"step": step, "config": {}})
 
     manager.save(1, lambda path: write(path, 1), periodic=True)
-    manager.wait()
+    manager.writer.wait()
     (tmp_path / "step-2.tmp").write_text("in the way")  # the save of step 2 cannot create its folder
     manager.save(2, lambda path: write(path, 2), periodic=True)
     with pytest.raises(OSError):
-        manager.wait()
+        manager.writer.wait()
     assert open_checkpoint(tmp_path / "step-1").step == 1
 
 
