@@ -78,7 +78,7 @@ class Strategy:
         """Rank 0's `obj` on every rank."""
         return obj
 
-    def teardown(self) -> None:
+    def teardown(self, finished: bool = True) -> None:
         pass
 
 
@@ -140,8 +140,13 @@ class DDPStrategy(Strategy):
         self.dist.broadcast_object_list(holder, src=0)
         return holder[0]
 
-    def teardown(self) -> None:
+    def teardown(self, finished: bool = True) -> None:
+        """`finished`: every rank got here normally, so they first wait for each other (rank 0 may still be
+        finishing a checkpoint save); a rank that tears down while another still uses the group can abort in
+        gloo. After an error the others may be gone: no barrier, which would hang."""
         if self.dist.is_initialized():
+            if finished:
+                self.dist.barrier()
             self.dist.destroy_process_group()
 
 

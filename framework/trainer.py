@@ -146,6 +146,7 @@ class Trainer:
             self.logger.close()
             return {}
         watch = SignalWatch() if self.on_signal else contextlib.nullcontext()
+        finished = False
         try:
             with watch:
                 while not self._finished():
@@ -170,13 +171,15 @@ class Trainer:
             self.logger.log_metrics({k: v for k, v in summary.items() if k.startswith("best/")}, self.step)
             if self.hparams:
                 self.logger.end_hparams_session()
-        except BaseException:
+            finished = True
+        except BaseException as err:
+            finished = isinstance(err, Interrupted)  # a signal stop is agreed by every rank: still in step
             self._finish_saves()
             raise
         finally:
             self.bar.close()
             self.logger.close()
-            self.strategy.teardown()
+            self.strategy.teardown(finished)
         if self.strategy.is_rank_zero:
             write_json(self.run_dir / "summary.json", summary)
             print_summary(summary, self.run_dir)
