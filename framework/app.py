@@ -20,7 +20,7 @@ from omegaconf import Container, DictConfig, ListConfig, Node, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework import config, resume, sweep
-from framework.errors import ConfigError, Interrupted, UserError
+from framework.errors import ConfigError, Interrupted, UserError, full_error
 from framework.launch import WorkerFailed, spawn
 from framework.loggers import write_json
 
@@ -75,7 +75,7 @@ def main(cfg: DictConfig) -> Any:
     A `UserError` becomes one `Error: ...` line and exit code 1 (HYDRA_FULL_ERROR=1 re-raises). In a multirun
     no job may end the sweep: any failure is recorded in the job's summary.json and the sweep goes on
     (framework/sweep.py reports it and exits non-zero at the end)."""
-    if HydraConfig.get().mode == RunMode.MULTIRUN and os.environ.get("HYDRA_FULL_ERROR") != "1":
+    if HydraConfig.get().mode == RunMode.MULTIRUN and not full_error():
         return _sweep_job(cfg)
     try:
         resolve_all(cfg)
@@ -86,7 +86,7 @@ def main(cfg: DictConfig) -> Any:
         log.warning("%s", err)
         sys.exit(128 + err.signum)
     except UserError as err:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if full_error():
             raise
         log.error("Error: %s", err)
         sys.exit(1)

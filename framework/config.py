@@ -6,7 +6,8 @@ Cross-field checks that a type cannot express live in `validate()`, called once 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any, Optional, Union
 
@@ -120,6 +121,85 @@ def register() -> None:
     cs.store(group="parallel", name="schema", node=ParallelConfig)
 
 
+# The groups whose every key the framework defines: a key they do not define is an error (even with `+`).
+CLOSED_GROUPS = {"trainer": TrainerConfig, "logger": LoggerConfig, "checkpoint": CheckpointConfig,
+                 "precision": PrecisionConfig, "parallel": ParallelConfig}
+
+# Lightning's names (Trainer and ModelCheckpoint arguments) and their homes here, for "did you mean" hints.
+LIGHTNING_NAMES = {
+    "check_val_every_n_epoch": "trainer.val_every_n_epochs",
+    "val_check_interval": "trainer.val_every_n_epochs",
+    "gradient_clip_val": "trainer.grad_clip_norm",
+    "gradient_clip_algorithm": "trainer.grad_clip_norm",
+    "max_epoch": "trainer.max_epochs",
+    "epochs": "trainer.max_epochs",
+    "max_step": "trainer.max_steps",
+    "limit_train_batch": "trainer.limit_train_batches",
+    "limit_val_batch": "trainer.limit_val_batches",
+    "limit_test_batch": "trainer.limit_test_batches",
+    "accumulate_grad_batch": "trainer.accumulate_grad_batches",
+    "log_every_n_step": "trainer.log_every_n_steps",
+    "accelerator": "trainer.device",
+    "devices": "parallel.devices",
+    "num_nodes": "parallel.devices",
+    "strategy": "parallel.strategy",
+    "sync_batchnorm": "parallel.strategy",
+    "precision": "precision.mode",
+    "enable_progress_bar": "logger.progress_bar",
+    "enable_checkpointing": "checkpoint.save_last",
+    "default_root_dir": "hydra.run.dir",
+    "dirpath": "hydra.run.dir",
+    "every_n_train_steps": "checkpoint.every_n_steps",
+    "every_n_step": "checkpoint.every_n_steps",
+    "every_n_epoch": "checkpoint.every_n_epochs",
+    "save_top_n": "checkpoint.save_top_k",
+    "top_k": "checkpoint.save_top_k",
+    "save_on_train_epoch_end": "checkpoint.every_n_epochs",
+    "seed_everything": "seed",
+    "ckpt_path": "resume",
+    "resume_from_checkpoint": "resume",
+}
+
+
+def _keys_of(group: str) -> list[str]:
+    schema = CLOSED_GROUPS.get(group, RootConfig if group == "" else None)
+    return [f.name for f in fields(schema)] if schema is not None else []
+
+
+def suggest_key(dotted: str) -> Optional[str]:
+    """The real key closest to a wrong one, as a full dotted key: Lightning's name for it first
+    (`trainer.check_val_every_n_epoch` -> `trainer.val_every_n_epochs`), else the closest spelling in its
+    group (`trainer.max_epoch` -> `trainer.max_epochs`), else None."""
+    group, _, name = dotted.rpartition(".")
+    if name in LIGHTNING_NAMES:
+        return LIGHTNING_NAMES[name]
+    close = difflib.get_close_matches(name, _keys_of(group), n=1, cutoff=0.6)
+    if close:
+        return f"{group}.{close[0]}" if group else close[0]
+    # A key of another framework group typed under the wrong one (trainer.save_top_k).
+    for other in CLOSED_GROUPS:
+        if name in _keys_of(other):
+            return f"{other}.{name}"
+    return None
+
+
+def check_closed_keys(cfg: DictConfig) -> None:
+    """A key the framework does not define in one of its own groups is a mistake, even when added with `+`
+    (Hydra lets `+trainer.max_epoch=1` through): name it, with the closest real key."""
+    for group in ("", *CLOSED_GROUPS):
+        node = cfg.get(group) if group else cfg
+        if not isinstance(node, DictConfig):
+            continue
+        known = set(_keys_of(group))
+        for name in node:
+            if name not in known:
+                key = f"{group}.{name}" if group else str(name)
+                hint = suggest_key(key)
+                raise ConfigError(f"{key}={node._get_node(name)._value()!r}: {group or 'the root config'} has no "
+                                  f"key '{name}'; {f'did you mean {hint}? ' if hint else ''}expected one of: "
+                                  f"{', '.join(sorted(known))}")
+
+
 def _require(ok: bool, key: str, value: object, expected: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r}: expected {expected}")
@@ -134,6 +214,7 @@ def _check_limit(key: str, value: Union[int, float]) -> None:
 
 def validate(cfg: DictConfig) -> None:
     """Checks that need more than one field or a range; types were already checked when composing."""
+    check_closed_keys(cfg)
     t = cfg.trainer
     _require(t.max_epochs >= 1 or t.max_steps >= 1, "trainer.max_epochs", t.max_epochs,
              ">= 1 (or set trainer.max_steps >= 1)")

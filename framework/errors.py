@@ -1,4 +1,13 @@
 """The one exception type for user mistakes: the entry point prints its message alone and exits non-zero."""
+import os
+
+# Set by framework.cli when it asks Hydra to raise (HYDRA_FULL_ERROR=1) only to report errors in our own form.
+FORCED_FULL_ERROR = "FRAMEWORK_FORCED_HYDRA_FULL_ERROR"
+
+
+def full_error() -> bool:
+    """Did the user ask for tracebacks (HYDRA_FULL_ERROR=1)?"""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1" and os.environ.get(FORCED_FULL_ERROR) != "1"
 
 
 class UserError(Exception):
