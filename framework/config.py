@@ -2,17 +2,21 @@
 
 Registered with Hydra's ConfigStore so a typo or a wrong type is rejected while the config is composed,
 before anything runs. Group YAML files start with `defaults: [schema, _self_]` to pick these up.
-Cross-field checks that a type cannot express live in `validate()`, called once by the app.
+What a type cannot express (the valid range of every value, checks across fields, the DataModule's counts,
+the hardware a setting names) lives in `validate()`, called once by the app before anything is built.
 """
 from __future__ import annotations
 
 import difflib
+import math
+import re
 from dataclasses import dataclass, fields
+from datetime import timedelta
 from enum import Enum
 from typing import Any, Optional, Union
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, ListConfig
 
 from framework.errors import ConfigError
 
@@ -98,6 +102,7 @@ class RootConfig:
     resume: Optional[str] = None  # RUN_DIR, CHECKPOINT_DIR or auto
     init_from: Optional[str] = None  # weights only (fine-tuning)
     init_strict: bool = True
+    trust_saved_config: bool = False  # resume may build any _target_ the saved config names (a run you trust)
     model: Any = MISSING
     data: Any = MISSING
     task: Any = MISSING
@@ -111,14 +116,15 @@ class RootConfig:
 
 
 def register() -> None:
-    """Make the schemas visible to Hydra's defaults lists (`schema` inside each group, `base_config` at the root)."""
+    """Make the schemas visible to Hydra's defaults lists: `base_config` for the root, `<group>_schema` for each
+    group (`- /trainer_schema` in conf/trainer/*.yaml). Not stored inside the groups: they are no options."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RootConfig)
-    cs.store(group="trainer", name="schema", node=TrainerConfig)
-    cs.store(group="logger", name="schema", node=LoggerConfig)
-    cs.store(group="checkpoint", name="schema", node=CheckpointConfig)
-    cs.store(group="precision", name="schema", node=PrecisionConfig)
-    cs.store(group="parallel", name="schema", node=ParallelConfig)
+    cs.store(name="trainer_schema", node=TrainerConfig)
+    cs.store(name="logger_schema", node=LoggerConfig)
+    cs.store(name="checkpoint_schema", node=CheckpointConfig)
+    cs.store(name="precision_schema", node=PrecisionConfig)
+    cs.store(name="parallel_schema", node=ParallelConfig)
 
 
 # The groups whose every key the framework defines: a key they do not define is an error (even with `+`).
@@ -202,7 +208,24 @@ def check_closed_keys(cfg: DictConfig) -> None:
 
 def _require(ok: bool, key: str, value: object, expected: str) -> None:
     if not ok:
-        raise ConfigError(f"{key}={value!r}: expected {expected}")
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)  # as typed: true, not True
+        raise ConfigError(f"{key}={shown}: expected {expected}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(key: str, value: object, low: int, *, null: bool = False, expected: str = "") -> None:
+    """A whole number >= `low`, or null when `null`. The type is checked too: data.* has no schema."""
+    if value is None and null:
+        return
+    _require(_is_int(value) and value >= low, key, value,
+             expected or f"{'null or ' if null else ''}a whole number >= {low}")
+
+
+def _check_positive(key: str, value: Optional[float]) -> None:
+    _require(value is None or (math.isfinite(value) and value > 0), key, value, "null or a finite number > 0")
 
 
 def _check_limit(key: str, value: Union[int, float]) -> None:
@@ -212,20 +235,137 @@ def _check_limit(key: str, value: Union[int, float]) -> None:
         _require(value >= 1, key, value, "a whole number of batches >= 1 or a fraction in (0, 1]")
 
 
+# numpy's seed range and Lightning's; the data order seeds torch generators with seed + epoch, which stays in range.
+SEED_RANGE = (0, 2**32 - 1)
+DEVICE = re.compile(r"(cpu|cuda|mps)(:\d+)?")
+# What torch.distributed.init_process_group takes: one backend, or one per device as "cpu:gloo,cuda:nccl".
+DIST_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+# The DataModule's own counts (framework/data.py), checked here so a bad one fails before any dataset is
+# loaded: (key, lowest value, null allowed). With num_workers=0, prefetch_factor and persistent_workers are
+# ignored rather than refused (as torch's DataLoader would), so `data=mnist data.num_workers=0` just works.
+DATA_COUNTS = (("batch_size", 1, False), ("eval_batch_size", 1, True), ("num_workers", 0, False),
+               ("prefetch_factor", 1, True), ("num_classes", 1, True))
+
+
 def validate(cfg: DictConfig) -> None:
-    """Checks that need more than one field or a range; types were already checked when composing."""
+    """Every value of the framework's own groups, the root's and the DataModule's counts against its range,
+    and the checks that need more than one field; types were checked when composing. Runs once, before
+    anything is built."""
     check_closed_keys(cfg)
-    t = cfg.trainer
-    _require(t.max_epochs >= 1 or t.max_steps >= 1, "trainer.max_epochs", t.max_epochs,
-             ">= 1 (or set trainer.max_steps >= 1)")
+    _check_trainer(cfg.trainer)
+    _check_checkpoint(cfg.checkpoint, cfg.data)
+    _check_parallel(cfg.parallel, cfg.trainer.device)
+    low, high = SEED_RANGE
+    _require(_is_int(cfg.seed) and low <= cfg.seed <= high, "seed", cfg.seed, f"a whole number in {low}..{high}")
+    if isinstance(cfg.data, DictConfig):
+        _check_data(cfg.data)
+    _check_hardware(cfg.trainer.device, cfg.parallel)
+
+
+def _check_trainer(t: DictConfig) -> None:
     _require(t.max_steps == -1 or t.max_steps >= 1, "trainer.max_steps", t.max_steps, "-1 (no limit) or >= 1")
+    _require(t.max_epochs >= 1 or (t.max_steps >= 1 and t.max_epochs >= -1), "trainer.max_epochs", t.max_epochs,
+             ">= 1 (or -1 or 0 with trainer.max_steps >= 1, which then alone decides the length)")
     _require(t.val_every_n_epochs >= 1, "trainer.val_every_n_epochs", t.val_every_n_epochs, ">= 1")
     _require(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", t.log_every_n_steps, ">= 1")
     _require(t.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches", t.accumulate_grad_batches, ">= 1")
-    for key in ("grad_clip_norm", "grad_clip_value"):
-        value = t[key]
-        _require(value is None or value > 0, f"trainer.{key}", value, "null or a positive number")
+    _check_positive("trainer.grad_clip_norm", t.grad_clip_norm)
+    _check_positive("trainer.grad_clip_value", t.grad_clip_value)
     for key in ("limit_train_batches", "limit_val_batches", "limit_test_batches"):
         _check_limit(f"trainer.{key}", t[key])
-    _require(t.device == "auto" or t.device.split(":")[0] in ("cpu", "cuda", "mps"), "trainer.device", t.device,
-             "'auto', 'cpu', 'cuda' or 'cuda:N'")
+    _require(t.device == "auto" or DEVICE.fullmatch(t.device) is not None, "trainer.device", t.device,
+             "'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
+
+
+def _check_checkpoint(ck: DictConfig, data: Any) -> None:
+    _require(ck.every_n_steps >= 0, "checkpoint.every_n_steps", ck.every_n_steps, ">= 0 (0: never)")
+    _require(ck.every_n_epochs >= 0, "checkpoint.every_n_epochs", ck.every_n_epochs, ">= 0 (0: never)")
+    _require(ck.keep_last >= -1, "checkpoint.keep_last", ck.keep_last, ">= 0, or -1 to keep them all")
+    _require(ck.save_top_k >= -1, "checkpoint.save_top_k", ck.save_top_k, ">= 0, or -1 to keep them all")
+    if ck.save_top_k == 0:  # a monitor alone is fine: it also names a sweep's objective
+        return
+    _require(ck.monitor is not None, "checkpoint.save_top_k", ck.save_top_k,
+             "0 with checkpoint.monitor=null, or a metric to rank by: checkpoint.monitor=val/loss (or val/acc)")
+    _require(ck.monitor.startswith("val/") and len(ck.monitor) > len("val/"), "checkpoint.monitor", ck.monitor,
+             "a validation metric 'val/<name>' to rank checkpoints by, e.g. val/loss or val/acc")
+    _require(not isinstance(data, DictConfig) or data.get("val") is not None, "checkpoint.save_top_k",
+             ck.save_top_k, f"0 when data.val=null (nothing computes {ck.monitor}), or a data.val split")
+
+
+def _check_parallel(p: DictConfig, device: str) -> None:
+    ddp = p.strategy == StrategyName.ddp
+    strategy = getattr(p.strategy, "value", p.strategy)
+    _require(p.devices is None or p.devices >= 1, "parallel.devices", p.devices,
+             "null (one process per GPU, or 2 on CPU) or a number of processes >= 1")
+    _require(p.devices is None or ddp, "parallel.devices", p.devices,
+             f"null with parallel={strategy} (only parallel=ddp starts processes), or parallel=ddp")
+    if p.backend is not None:
+        _require(_backends(p.backend) is not None, "parallel.backend", p.backend,
+                 f"null (nccl on CUDA, gloo on CPU), one of {', '.join(DIST_BACKENDS)}, or one per device "
+                 "as cpu:gloo,cuda:nccl")
+        _require(ddp, "parallel.backend", p.backend, f"null with parallel={strategy}, or parallel=ddp")
+    for key in ("find_unused_parameters", "static_graph"):  # DDP's own options
+        _require(ddp or not p[key], f"parallel.{key}", p[key], f"false with parallel={strategy}, or parallel=ddp")
+    longest = int(timedelta.max.total_seconds())
+    _require(1 <= p.timeout_s <= longest, "parallel.timeout_s", p.timeout_s, f"a number of seconds in 1..{longest}")
+    _require(not (ddp and device.startswith("cuda")), "trainer.device", device,
+             "'auto' with parallel=ddp (each process takes the GPU of its local rank), or 'cpu'")
+
+
+def _backends(value: str) -> Optional[list[str]]:
+    """The backend names in a `parallel.backend` (`gloo`, `cpu:gloo,cuda:nccl`), or None when it is malformed."""
+    names = []
+    for part in value.split(","):
+        device, _, name = part.rpartition(":")
+        if name not in DIST_BACKENDS or device not in ("", "cpu", "cuda"):
+            return None
+        names.append(name)
+    return names
+
+
+def _check_data(data: DictConfig) -> None:
+    _require("train" not in data or data.train is not None, "data.train", None,
+             "a dataset node (with _target_): every run trains on data.train")
+    for name, low, null in DATA_COUNTS:
+        if name in data:
+            _check_int(f"data.{name}", data[name], low, null=null)
+    shape = data.get("input_shape")
+    _require(shape is None or (isinstance(shape, ListConfig) and len(shape) > 0
+                               and all(_is_int(size) and size >= 1 for size in shape)),
+             "data.input_shape", list(shape) if isinstance(shape, ListConfig) else shape,
+             "null or the shape of one sample, sizes >= 1, e.g. [1, 28, 28]")
+
+
+def _check_hardware(device: str, p: DictConfig) -> None:
+    """What this machine has, for settings that name hardware (a GPU, a number of GPUs, a backend). torch is
+    imported only for them: `auto` and `cpu` need no check, so most bad configs still fail before it loads."""
+    ddp = p.strategy == StrategyName.ddp
+    if device in ("auto", "cpu") and not (ddp and (p.devices is not None or p.backend is not None)):
+        return
+    import torch
+
+    def refuse(key: str, value: object, problem: str, expected: str) -> None:
+        raise ConfigError(f"{key}={value!r}: {problem}; expected {expected}")
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    kind, _, index = device.partition(":")
+    if kind == "cuda" and gpus == 0:
+        refuse("trainer.device", device, "no CUDA device is visible", "'auto' or 'cpu'")
+    if kind == "cuda" and index and int(index) >= gpus:
+        refuse("trainer.device", device, f"{gpus} CUDA device{'s are' if gpus > 1 else ' is'} visible",
+               f"one of cuda:0..cuda:{gpus - 1}, 'cuda' or 'auto'")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        refuse("trainer.device", device, "MPS is not available", "'auto' or 'cpu'")
+    on_cuda = gpus > 0 and kind in ("auto", "cuda")
+    if ddp and on_cuda and p.devices is not None and p.devices > gpus:
+        refuse("parallel.devices", p.devices, f"{gpus} CUDA device{'s are' if gpus > 1 else ' is'} visible",
+               f"at most {gpus}, one process per device (or trainer.device=cpu for processes on the CPU)")
+    if ddp and p.backend is not None:
+        import torch.distributed as dist
+
+        for name in _backends(p.backend):
+            if not (dist.is_available() and dist.is_backend_available(name)):
+                refuse("parallel.backend", p.backend, f"this torch build has no {name} backend", "gloo, or null")
+        if not on_cuda and "nccl" in _backends(p.backend):  # even as cuda:nccl: the group is made at start
+            refuse("parallel.backend", p.backend, "nccl needs CUDA, and these processes run on the CPU",
+                   "gloo, or null")

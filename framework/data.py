@@ -11,12 +11,13 @@ resumed at batch k of an epoch sees exactly the batches an uninterrupted run wou
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
-from framework.errors import ConfigError
+from framework.errors import ConfigError, UserError
+from framework.instantiate import FULL_ERROR_HINT, error_line
 from framework.reproducibility import generator
 
 
@@ -120,6 +121,7 @@ class DataModule:
             if dataset is None:
                 continue
             train = split == "train"
+            _check_dataset(split, dataset)
             try:
                 size = len(dataset)
             except Exception as err:  # e.g. a negative size in the dataset's config
@@ -146,8 +148,31 @@ class DataModule:
             loader.generator.manual_seed(sampler.seed + epoch)  # worker seeds follow the epoch, not global RNG
         return loader
 
+    def first_batch(self, split: str) -> Any:
+        """The first batch of `split` (None if it has none), for the trainer's check before training; a dataset
+        or collate failing to make it is reported as `data.<split>`."""
+        try:
+            return next(iter(self.batches(split)), None)
+        except UserError:
+            raise
+        except Exception as err:
+            raise ConfigError(f"data.{split}: making its first batch raised {error_line(err)}; expected samples "
+                              "of tensors, numbers or numpy arrays (e.g. images through a ToTensor transform) "
+                              f"{FULL_ERROR_HINT}") from err
+
     def num_batches(self, split: str) -> int:
         """Batches in one full epoch of `split` on this rank."""
         sampler, loader = self._loaders[split]
         batch_size = self.batch_size if split == "train" else self.eval_batch_size
         return _num_batches(len(sampler.order()), batch_size, self.drop_last and split == "train")
+
+
+def _check_dataset(split: str, dataset: Any) -> None:
+    """A config value that is not a dataset (a dotted path without `_target_`, a node without one), or one
+    that cannot be indexed: the sampler draws indices, so the order is seeded and resumable."""
+    if isinstance(dataset, (str, bytes, int, float, Mapping)):
+        raise ConfigError(f"data.{split}={dataset!r}: expected a dataset node with a _target_, e.g. "
+                          f"data.{split}._target_=torchvision.datasets.FakeData, or null")
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+        raise ConfigError(f"data.{split}: {type(dataset).__name__} cannot be indexed; expected a map-style "
+                          "dataset (__len__ and __getitem__), which the seeded, resumable order needs")

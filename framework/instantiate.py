@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 import re
 import types
 import typing
@@ -24,7 +25,7 @@ from omegaconf import DictConfig, ListConfig, Node, OmegaConf
 from framework.errors import ConfigError, UserError
 
 _RESERVED = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
-_FULL_ERROR_HINT = "(HYDRA_FULL_ERROR=1 shows the traceback)"
+FULL_ERROR_HINT = "(HYDRA_FULL_ERROR=1 shows the traceback)"
 
 
 def locate(target: Any, key: str) -> Any:
@@ -35,7 +36,7 @@ def locate(target: Any, key: str) -> Any:
     try:
         return _locate(target)
     except Exception as err:  # ImportError or ValueError from Hydra's locator; the cause says what is missing
-        raise ConfigError(f"{key}._target_={target!r} cannot be imported: {_first_line(err.__cause__ or err)}; "
+        raise ConfigError(f"{key}._target_={target!r} cannot be imported: {error_line(err.__cause__ or err)}; "
                           "expected a dotted path to a class or function, e.g. torch.nn.Linear") from None
 
 
@@ -79,7 +80,8 @@ def check(node: Any, key: str, provided: Iterable[str] = ()) -> None:
     target = node.get("_target_")
     if target is None:
         return
-    params = _parameters(locate(target, key))
+    obj = locate(target, key)
+    params = _parameters(obj)
     if params is None:
         return
     provided = set(provided)
@@ -88,6 +90,12 @@ def check(node: Any, key: str, provided: Iterable[str] = ()) -> None:
         name = unaccepted[0]
         raise ConfigError(f"{key}._target_={target!r}: it takes no argument '{name}', which the framework "
                           f"passes; expected a class or function with a '{name}' argument")
+    partial = node.get("_partial_", False) or "_args_" in node  # the user's own partial, or positional arguments
+    missing = [name for name, p in params.items()
+               if p.default is inspect.Parameter.empty and name not in node and name not in provided]
+    tensors = [name for name in missing if _is_data(params[name])]
+    if tensors and not partial and not inspect.isclass(obj):
+        raise ConfigError(_function_of_data(node, key, target, obj, tensors))
     settable = [name for name in params if name not in provided]
     given = [str(name) for name in node if name not in _RESERVED]
     unknown = sorted(set(given) - set(params))
@@ -99,12 +107,52 @@ def check(node: Any, key: str, provided: Iterable[str] = ()) -> None:
                           f"{hint}expected one of: {', '.join(settable) or '(none)'}")
     for name in given:
         _check_type(node, name, params[name], f"{key}.{name}", target)
-    if node.get("_partial_", False) or "_args_" in node:  # the user's own partial, or positional arguments
+        value = node[name]
+        if isinstance(value, float) and math.isnan(value):  # no argument means "not a number"
+            raise ConfigError(f"{key}.{name}=nan: not a number; expected a number for {target}'s '{name}'")
+    if partial or not missing:
         return
-    for name, p in params.items():
-        if p.default is inspect.Parameter.empty and name not in node and name not in provided:
-            raise ConfigError(f"{key}.{name} is not set: {target} needs the argument '{name}'; "
-                              f"expected it in the config, e.g. +{key}.{name}=VALUE")
+    name = missing[0]
+    later = ""
+    if not inspect.isclass(obj) and params[name].annotation is inspect.Parameter.empty:  # data or config? say both
+        later = (f", or, if {target} is called later with its '{name}' (a loss or a metric), "
+                 f"{_partial_override(node, key)}")
+    raise ConfigError(f"{key}.{name} is not set: {target} needs the argument '{name}'; "
+                      f"expected it in the config, e.g. +{key}.{name}=VALUE{later}")
+
+
+def _is_data(param: inspect.Parameter) -> bool:
+    """An argument a function is called with at run time (a tensor), not one a config would set."""
+    annotation = param.annotation
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", repr(annotation))
+    return re.search(r"\bTensor\b", text) is not None
+
+
+def _partial_override(node: DictConfig, key: str) -> str:
+    return f"{'' if '_partial_' in node else '+'}{key}._partial_=true"
+
+
+def _function_of_data(node: DictConfig, key: str, target: str, function: Any, missing: list[str]) -> str:
+    """`task.loss._target_=torch.nn.functional.nll_loss`: a function of the batch where an object is built."""
+    module_class = _module_class(function)
+    instead = (f"a module class such as {module_class}" if module_class is not None
+               else "a class whose objects are called with them (e.g. torch.nn.CrossEntropyLoss for a loss)")
+    return (f"{key}._target_={target!r} is a function of ({', '.join(missing)}), which are tensors given when it is "
+            f"called, not config values; expected {_partial_override(node, key)} to call it with them later, "
+            f"or {instead}")
+
+
+def _module_class(function: Any) -> str | None:
+    """The torch.nn class doing what a torch.nn.functional function does (nll_loss -> torch.nn.NLLLoss)."""
+    if getattr(function, "__module__", None) != "torch.nn.functional":
+        return None
+    import torch.nn
+
+    wanted = function.__name__.replace("_", "").lower()
+    for name in dir(torch.nn):
+        if name.lower() in (wanted, wanted + "loss") and inspect.isclass(getattr(torch.nn, name)):
+            return f"torch.nn.{name}"
+    return None
 
 
 # Plain annotations we check values against, and the config values each accepts (bool is not a number here).
@@ -183,7 +231,7 @@ def _failure_message(node: DictConfig, key: str, target: Any, err: BaseException
     """`KEY: TARGET(arg=value, ...) raised Error: message`, with the node's plain values (not nested objects)."""
     args = ", ".join(f"{name}={node[name]!r}" for name in node
                      if name not in _RESERVED and _is_plain(node._get_node(name)))
-    return f"{key}: {target}({args}) raised {_first_line(err)}; expected values it accepts {_FULL_ERROR_HINT}"
+    return f"{key}: {target}({args}) raised {error_line(err)}; expected values it accepts {FULL_ERROR_HINT}"
 
 
 def _is_plain(node: Node) -> bool:
@@ -198,6 +246,10 @@ def _raw(node: DictConfig, name: str) -> Any:
     return node._get_node(name)._value()
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
+def error_line(err: BaseException) -> str:
+    """`Type: message` in one line, for messages that report an exception; for an error a DataLoader worker
+    re-raised, whose first line only says so, the worker's own last line."""
+    text = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    if len(text) > 1 and "Original Traceback" in str(err):
+        return text[-1]
     return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")

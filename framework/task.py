@@ -3,15 +3,22 @@
 A step returns a `StepOutput`: the loss (for backward) and a dict of metric tensors, averaged over the batch.
 The trainer prefixes metric names with the stage (`train/`, `val/`, `test/`) and averages them over the
 epoch weighted by batch size. Subclass `Task` (or `ClassificationTask`) in `experiments/` to go further.
+
+`check_batch` runs a step once on the first batch of each split before training, so that data of the wrong
+kind, a model that does not fit it or a loss that does not fit the model is one line naming `data`, `model`
+or `task` with the shapes seen, not a traceback from inside the first step; the steps themselves trust their
+inputs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
+from framework.errors import ConfigError, UserError
+from framework.instantiate import FULL_ERROR_HINT, error_line
 from framework.metrics import Accuracy
 
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -47,6 +54,27 @@ class Task(nn.Module):
         first = batch[0] if isinstance(batch, (tuple, list)) else batch
         return len(first)
 
+    def check_batch(self, batch: Any, split: str, *, input_shape: Optional[Sequence[int]] = None,
+                    num_classes: Optional[int] = None) -> StepOutput:
+        """Run `validation_step` on the first batch of `split` (the trainer calls this once per split, in eval
+        mode under no_grad; never `training_step`, which may have effects of its own) and report what fails
+        as the task's. `input_shape` and `num_classes` are what `data` declares. Returns the step's output,
+        whose metric names the trainer checks the monitors against."""
+        name = f"{type(self).__name__}.validation_step"
+        try:
+            out = self.validation_step(batch)
+        except UserError:
+            raise
+        except Exception as err:
+            raise ConfigError(f"task: {name} on the first {split} batch ({describe(batch)}) raised "
+                              f"{error_line(err)}; expected a batch it takes {FULL_ERROR_HINT}") from err
+        if not isinstance(out, StepOutput) or not isinstance(out.loss, torch.Tensor):
+            raise ConfigError(f"task: {name} returned {describe(out)}; expected a StepOutput(loss, metrics)")
+        if out.loss.numel() != 1 or not out.loss.is_floating_point():
+            raise ConfigError(f"task: {name} gave a loss of {describe(out.loss)}; expected one floating-point "
+                              "number, the loss reduced over the batch")
+        return out
+
 
 class ClassificationTask(Task):
     """`(inputs, labels)` batches, a loss (cross-entropy by default) and metrics (accuracy by default)."""
@@ -67,3 +95,132 @@ class ClassificationTask(Task):
         output = self.model(inputs)
         metrics = {name: metric(output, target) for name, metric in self.metrics.items()}
         return StepOutput(self.loss(output, target), metrics)
+
+    def check_batch(self, batch: Any, split: str, *, input_shape: Optional[Sequence[int]] = None,
+                    num_classes: Optional[int] = None) -> StepOutput:
+        """Batch, model output, loss and metrics in turn, each failure named by the key to change."""
+        data = f"data.{split}"
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ConfigError(f"{data}: its first batch is {describe(batch)}; expected (inputs, labels) pairs for "
+                              f"{type(self).__name__}, i.e. a dataset whose samples are (input, label) tuples")
+        inputs, target = batch
+        if not (isinstance(inputs, torch.Tensor) and isinstance(target, torch.Tensor)):
+            raise ConfigError(f"{data}: its first batch is ({describe(inputs)}, {describe(target)}); expected a "
+                              "tensor of inputs and one of labels: samples of tensors or numbers (e.g. an int "
+                              "label, images through a ToTensor transform)")
+        if inputs.dim() == 0 or target.dim() == 0 or len(inputs) != len(target):
+            raise ConfigError(f"{data}: its first batch has inputs of {describe(inputs)} and labels of "
+                              f"{describe(target)}; expected one label per input, batch first")
+        sample = list(inputs.shape[1:])
+        if input_shape is not None and sample != list(input_shape):
+            raise ConfigError(f"data.input_shape={list(input_shape)}: the first {split} batch has inputs of "
+                              f"{describe(inputs)}, samples of shape {sample}; expected "
+                              f"data.input_shape={_cli(sample)} (the model is built for it)")
+        try:
+            output = self.model(inputs)
+        except UserError:
+            raise
+        except Exception as err:
+            raise self._forward_failed(inputs, split, err) from err
+        if not isinstance(output, torch.Tensor):
+            raise ConfigError(f"model: returned {describe(output)} for inputs of {describe(inputs)}; expected a "
+                              "tensor of scores, batch first, for task.loss and task.metrics")
+        if output.dim() == 0 or len(output) != len(inputs):
+            raise ConfigError(f"model: output of {describe(output)} for inputs of {describe(inputs)}; expected "
+                              "one row of scores per input, batch first")
+        shaped = output.dim() >= 2 and target.shape == output.shape[:1] + output.shape[2:]  # (N,) for (N, C)
+        if shaped and not target.is_floating_point() and target.dtype != torch.bool:  # class indices
+            self._check_labels(output, target, split, num_classes)
+        try:
+            loss = self.loss(output, target)
+        except UserError:
+            raise
+        except Exception as err:
+            if shaped and target.dtype != torch.long and hasattr(self.loss, "ignore_index"):  # takes indices
+                raise ConfigError(f"{data}: labels of {describe(target)} for the model's output of "
+                                  f"{describe(output)}: {_name(self.loss)} raised {error_line(err)}; expected "
+                                  "class indices of dtype int64 (torch.long)") from err
+            raise ConfigError(f"task.loss: {_name(self.loss)} on the model's output of {describe(output)} and "
+                              f"labels of {describe(target)} raised {error_line(err)}; expected a loss that "
+                              f"takes them {FULL_ERROR_HINT}") from err
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ConfigError(f"task.loss: {_name(self.loss)} returned {describe(loss)}; expected one number, "
+                              "the loss reduced over the batch (e.g. reduction='mean')")
+        for name, metric in self.metrics.items():
+            try:
+                metric(output, target)
+            except UserError:
+                raise
+            except Exception as err:
+                raise ConfigError(f"task.metrics.{name}: {_name(metric)} on the model's output of "
+                                  f"{describe(output)} and labels of {describe(target)} raised "
+                                  f"{error_line(err)}; expected a metric that takes them {FULL_ERROR_HINT}") from err
+        return super().check_batch(batch, split)
+
+    def _forward_failed(self, inputs: torch.Tensor, split: str, err: Exception) -> ConfigError:
+        """Inputs of another dtype than the weights are the data's fault; anything else, with inputs of the
+        declared shape, the model's."""
+        weights = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), None)
+        embeds = any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in self.model.modules())
+        if weights is not None and inputs.dtype != weights and not embeds:
+            return ConfigError(f"data.{split}: inputs of {describe(inputs)}, but the model's weights are "
+                               f"{_dtype(weights)} and its forward raised {error_line(err)}; expected "
+                               f"{_dtype(weights)} inputs (convert them in the dataset, e.g. with a transform)")
+        return ConfigError(f"model: forward on the first {split} batch, inputs of {describe(inputs)}, raised "
+                           f"{error_line(err)}; expected a model built for these inputs (model.input_shape="
+                           f"${{data.input_shape}} and its other sizes) {FULL_ERROR_HINT}")
+
+    def _check_labels(self, output: torch.Tensor, target: torch.Tensor, split: str,
+                      num_classes: Optional[int]) -> None:
+        """Class indices out of range, before the loss sees them: on the CPU the loss raises an IndexError, on
+        CUDA a device-side assert ends the process."""
+        ignore = getattr(self.loss, "ignore_index", None)
+        labels = target[target != ignore] if ignore is not None else target
+        if labels.numel() == 0:
+            return
+        low, high = int(labels.min()), int(labels.max())
+        classes = output.shape[1]
+        seen = f"labels of {describe(target)} with values {low}..{high}"
+        if low < 0:
+            ignored = f" (or {ignore}, task.loss.ignore_index)" if ignore is not None else ""
+            raise ConfigError(f"data.{split}: its first batch has {seen}; expected class indices "
+                              f"0..{classes - 1}{ignored}")
+        if high < classes:
+            return
+        where = f"in the first {split} batch (task.loss: {_name(self.loss)})"
+        if num_classes is not None and high >= num_classes:
+            raise ConfigError(f"data.num_classes={num_classes}: the model's output of {describe(output)} does not "
+                              f"fit {seen} {where}; expected data.num_classes >= {high + 1}, one score per class")
+        raise ConfigError(f"model: output of {describe(output)} does not fit {seen} {where}; expected "
+                          f"{num_classes or f'at least {high + 1}'} scores per sample, one per class "
+                          "(model.num_classes=${data.num_classes})")
+
+
+def describe(value: Any) -> str:
+    """A batch, an output or a loss in a few words for messages: `shape (64, 1, 8, 8) float32`, `a tuple of
+    (shape (64,) int64, a list of 64 str)`."""
+    if isinstance(value, torch.Tensor):
+        return f"shape {tuple(value.shape)} {_dtype(value.dtype)}"
+    if isinstance(value, (tuple, list)):
+        if len(value) <= 4 and not all(isinstance(item, (str, int, float)) for item in value):
+            return f"a {type(value).__name__} of ({', '.join(describe(item) for item in value)})"
+        kinds = sorted({type(item).__name__ for item in value})
+        return f"a {type(value).__name__} of {len(value)} {'/'.join(kinds)}"
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} with keys {', '.join(map(str, value))}"
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _cli(values: Sequence[int]) -> str:
+    """A list as typed on the command line (no spaces to quote)."""
+    return f"[{','.join(map(str, values))}]"
+
+
+def _name(obj: Any) -> str:
+    """A loss or metric by name: its class, or its function (also under functools.partial)."""
+    function = getattr(obj, "func", obj)
+    return getattr(function, "__name__", None) or type(obj).__name__

@@ -25,7 +25,8 @@ from framework.errors import ConfigError, Interrupted, UserError
 from framework.instantiate import build
 from framework.loggers import ProgressBar, TensorBoardLogger, print_summary, write_json
 from framework.model_summary import summarize
-from framework.optim import build_optimizer, build_scheduler, describe_groups, format_groups, group_names, lr_plan
+from framework.optim import (apply_changed_options, build_optimizer, build_scheduler, changed_options, describe_groups,
+                             format_groups, group_names, lr_plan)
 from framework.parallel import build_strategy
 from framework.precision import Precision
 from framework.task import Task
@@ -64,8 +65,9 @@ def _limit(limit: Union[int, float], available: int) -> int:
 
 class Trainer:
     def __init__(self, cfg: DictConfig, run_dir: Path, resume_from: Optional[Checkpoint] = None,
-                 hparams: Optional[dict[str, Any]] = None) -> None:
+                 hparams: Optional[dict[str, Any]] = None, choices: Optional[dict[str, Any]] = None) -> None:
         self.cfg, self.run_dir, self.hparams = cfg, run_dir, hparams or {}
+        self.choices = choices or {}  # the config groups' options, kept in each checkpoint for resume
         t = cfg.trainer
         self.fast_dev_run = t.fast_dev_run
         self.max_steps = 1 if self.fast_dev_run else t.max_steps
@@ -121,7 +123,7 @@ class Trainer:
         # On resume, TensorBoard drops whatever the killed run logged after its checkpoint's step.
         purge_step = resume_from.step + 1 if resume_from is not None else None
         self.logger = TensorBoardLogger(self.run_dir, enabled=rank_zero and cfg.logger.tensorboard
-                                        and not self.fast_dev_run, purge_step=purge_step)
+                                        and not self.fast_dev_run and not t.dry_run, purge_step=purge_step)
         self.bar = ProgressBar(enabled=rank_zero and cfg.logger.progress_bar)
 
         self.step = 0  # optimizer steps taken
@@ -141,6 +143,7 @@ class Trainer:
         start = time.perf_counter()
         if self.resume_from is not None:
             self._restore(self.resume_from)
+        self._check_first_batches()
         self._describe_setup()
         if self.cfg.trainer.dry_run:
             self.logger.close()
@@ -185,6 +188,34 @@ class Trainer:
             print_summary(summary, self.run_dir)
         return summary
 
+    def _check_first_batches(self) -> None:
+        """The first train and val batch through the task once, before anything is logged or trained: data of
+        the wrong kind, or a model, loss, metric or monitor that does not fit it, is one line naming its key
+        (Task.check_batch). On the plain module, in eval mode, without grad, and with the RNG state put back,
+        so training starts exactly as it would without it and no step pays for it."""
+        wrapped, rng = self.task.model, reproducibility.rng_state()
+        self.task.model = self.strategy.unwrap(wrapped)
+        self.task.eval()
+        try:
+            for split in ("train", "val"):
+                batch = self.data.first_batch(split) if self.data.has(split) else None
+                if batch is None:
+                    continue
+                with torch.no_grad(), self.precision.autocast():
+                    out = self.task.check_batch(move_to(batch, self.device), split,
+                                                input_shape=self.data.input_shape, num_classes=self.data.num_classes)
+                if split == "val":  # a monitor naming no metric would otherwise fail after the first epoch
+                    names = ["val/loss", *(f"val/{name}" for name in out.metrics)]
+                    monitors = {"checkpoint.monitor": self.checkpoints.monitor if self.checkpoints.save_top_k else None,
+                                "scheduler.monitor": getattr(self.scheduler, "monitor", None)}
+                    for key, monitor in monitors.items():
+                        if monitor is not None and monitor not in names:
+                            raise ConfigError(f"{key}={monitor!r}: no such metric; expected one of {', '.join(names)}")
+        finally:
+            self.task.model = wrapped
+            self.task.train()
+            reproducibility.set_rng_state(rng)
+
     # ------------------------------------------------------------------ checkpoints
     def _training_state(self) -> dict[str, Any]:
         """Everything besides the weights that an exact resume needs (each component's state_dict)."""
@@ -209,7 +240,8 @@ class Trainer:
             return
         meta = {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                 "metrics": dict(self.metrics), "world_size": self.strategy.world_size,
-                "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)}
+                "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
+                "choices": {g: o for g, o in self.choices.items() if not g.startswith("hydra")}}
         self.checkpoints.writer.write(path, self.strategy.unwrap(self.task.model).state_dict(), state, meta)
 
     def _finish_saves(self) -> None:
@@ -226,11 +258,19 @@ class Trainer:
         check_compatible(model, weights, f"resume={str(checkpoint.path)!r}", strict=True)
         model.load_state_dict(weights)
         state = checkpoint.state()
+        configured = [dict(group) for group in self.optimizer.param_groups]  # from this run's config
         self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state["scheduler"]:
+        saved_cfg = checkpoint.meta["config"]
+        same_schedule = (saved_cfg.get("scheduler") or {}).get("_target_") == self.cfg.scheduler.get("_target_")
+        if not same_schedule:  # scheduler= changed on resume: the new schedule starts here, from its start
+            for group, fresh in zip(self.optimizer.param_groups, configured):
+                group.update({k: fresh[k] for k in ("lr", "initial_lr") if k in fresh})
+        elif self.scheduler is not None and state["scheduler"]:
             self.scheduler.load_state_dict(state["scheduler"])
         self.precision.load_state_dict(state["precision"])
         self.checkpoints.load_state_dict(state["checkpoints"])
+        apply_changed_options(self.optimizer, self.scheduler if same_schedule else None, configured,
+                              changed_options(saved_cfg.get("optimizer") or {}, self.cfg.optimizer))
         loop = state["loop"]
         self.step, self.epoch, self.batch_in_epoch = loop["step"], loop["epoch"], loop["batch_in_epoch"]
         self._last_val_step, self._window_first_step = loop["last_val_step"], loop["window_first_step"]
