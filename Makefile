@@ -16,7 +16,7 @@ run: $(STAMP)
 	$(PY) run.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 clean-venv:
 	rm -rf $(VENV)

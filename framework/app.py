@@ -5,6 +5,7 @@ User mistakes (`UserError`) end the run with one line on stderr and exit code 1,
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ from hydra.types import RunMode
 from omegaconf import Container, DictConfig, ListConfig, Node, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework import config, resume, sweep
+from framework import config, resume, rundir, sweep
 from framework.errors import ConfigError, Interrupted, UserError, full_error
 from framework.launch import WorkerFailed, spawn
 from framework.loggers import write_json
@@ -72,22 +73,22 @@ def check_paths(cfg: DictConfig) -> None:
 def main(cfg: DictConfig) -> Any:
     """Run the job and return its objective (for sweepers such as Optuna): the monitored metric.
 
-    A `UserError` becomes one `Error: ...` line and exit code 1 (HYDRA_FULL_ERROR=1 re-raises). In a multirun
-    no job may end the sweep: any failure is recorded in the job's summary.json and the sweep goes on
-    (framework/sweep.py reports it and exits non-zero at the end)."""
+    A `UserError` becomes one `Error: ...` line and exit code 1 (HYDRA_FULL_ERROR=1 re-raises); a run refused
+    before it started leaves no trace in `outputs/`. In a multirun no job may end the sweep: any failure is
+    recorded in the job's summary.json and the sweep goes on (framework/sweep.py reports it and exits
+    non-zero at the end)."""
     if HydraConfig.get().mode == RunMode.MULTIRUN and not full_error():
         return _sweep_job(cfg)
+    started = []
     try:
-        resolve_all(cfg)
-        config.validate(cfg)
-        check_paths(cfg)
-        return _run(cfg)
+        return _run(cfg, started)
     except Interrupted as err:  # stopped on a signal after saving: not an error, but not finished either
         log.warning("%s", err)
         sys.exit(128 + err.signum)
     except UserError as err:
         if full_error():
             raise
+        _discard_attempt(started=bool(started))
         log.error("Error: %s", err)
         sys.exit(1)
     except WorkerFailed as err:  # a bug in a spawned worker: its traceback is the useful part
@@ -98,26 +99,54 @@ def main(cfg: DictConfig) -> Any:
         sys.exit(130)
 
 
-def _run(cfg: DictConfig) -> Optional[float]:
+def _discard_attempt(started: bool) -> None:
+    hydra_cfg = HydraConfig.get()
+    if os.environ.get("RANK", "0") == "0":  # torchrun's other ranks point at rank 0's directory
+        rundir.discard_attempt(Path(hydra_cfg.runtime.output_dir), hydra_cfg.output_subdir, started=started)
+
+
+def _run(cfg: DictConfig, started: Optional[list] = None) -> Optional[float]:
+    """Validate, settle the config (a resumed run's is its checkpoint's), lock the run directory, train.
+    `started` gets an item once training is handed over (a later failure is no longer "refused at start")."""
+    resolve_all(cfg)
+    config.validate(cfg)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     overrides = list(hydra_cfg.overrides.task)
-    checkpoint = resume.find_checkpoint(cfg.resume, run_dir)
-    if checkpoint is not None:
-        cfg = resume.merged_config(cfg, checkpoint.meta["config"], resume.override_keys(overrides))
-        config.validate(cfg)
-    params = sweep.hparams(cfg, dict(hydra_cfg.runtime.choices), overrides)
-    summary = launch(cfg, run_dir, checkpoint, params)
+    choices = dict(hydra_cfg.runtime.choices)
+    rank_zero = os.environ.get("RANK", "0") == "0"
+    if rank_zero and not cfg.resume and str(hydra_cfg.output_subdir or "").startswith(".hydra/attempt-"):
+        raise ConfigError(f"hydra.run.dir={str(run_dir)!r} already holds a run, and a new run never replaces "
+                          f"one; expected resume={run_dir} to continue it, or another directory")
+    with rundir.RunDirLock(run_dir) if rank_zero else contextlib.nullcontext():
+        checkpoint = resume.find_checkpoint(cfg.resume, run_dir)
+        if checkpoint is not None:
+            trusted = resume.conf_targets(_conf_dirs(hydra_cfg)) | {
+                t for _, t in resume.targets(OmegaConf.to_container(cfg, resolve=False))}
+            cfg, choices = resume.resumed_config(cfg, checkpoint, choices, overrides)
+            if not cfg.trust_saved_config:
+                resume.check_saved_targets(cfg, trusted, Path(hydra_cfg.runtime.cwd),
+                                           f"the config saved in {checkpoint.path}")
+            resolve_all(cfg)
+            config.validate(cfg)
+        check_paths(cfg)
+        params = sweep.hparams(cfg, choices, overrides)
+        if started is not None:
+            started.append(True)
+        summary = launch(cfg, run_dir, checkpoint, params, choices)
     return summary.get(cfg.checkpoint.monitor or "val/acc")
+
+
+def _conf_dirs(hydra_cfg: DictConfig) -> list[Path]:
+    """The file-system config trees this run was composed from (conf/ and any --config-dir)."""
+    return [Path(source.path) for source in hydra_cfg.runtime.config_sources
+            if source.schema == "file" and source.path and Path(source.path).is_dir()]
 
 
 def _sweep_job(cfg: DictConfig) -> float:
     """One job of a multirun: never raises, so a failing job cannot stop the others."""
     start = time.perf_counter()
     try:
-        resolve_all(cfg)
-        config.validate(cfg)
-        check_paths(cfg)
         objective = _run(cfg)
         return float("nan") if objective is None else objective
     except (Exception, SystemExit) as err:  # noqa: BLE001  (recorded, reported at the end of the sweep)
@@ -132,16 +161,16 @@ def _sweep_job(cfg: DictConfig) -> float:
         return float("nan")
 
 
-def launch(cfg: DictConfig, run_dir: Path, checkpoint: Any = None,
-           hparams: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def launch(cfg: DictConfig, run_dir: Path, checkpoint: Any = None, hparams: Optional[dict[str, Any]] = None,
+           choices: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """In this process, or, for parallel=ddp without a launcher, in one spawned process per device."""
     from framework.parallel import default_devices, under_launcher  # imported after validation: fail fast
 
     if cfg.parallel.strategy == "ddp" and not under_launcher():
         OmegaConf.resolve(cfg)  # spawned workers have no HydraConfig to resolve `${hydra:...}` with
         spawn(cfg, run_dir, cfg.parallel.devices or default_devices(),
-              checkpoint.path if checkpoint is not None else None, hparams)
+              checkpoint.path if checkpoint is not None else None, hparams, choices)
         return json.loads((run_dir / "summary.json").read_text())
     from framework.trainer import Trainer
 
-    return Trainer(cfg, run_dir, resume_from=checkpoint, hparams=hparams).fit()
+    return Trainer(cfg, run_dir, resume_from=checkpoint, hparams=hparams, choices=choices).fit()

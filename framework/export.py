@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save
 from framework.checkpoint import META_FILE, MODEL_FILE, Checkpoint, check_compatible, open_checkpoint
 from framework.errors import UserError
 from framework.instantiate import build
+from framework.resume import as_data, check_saved_targets, conf_targets
 
 WEIGHTS_FILE, TORCHSCRIPT_FILE = "model.safetensors", "model.pt"
 
@@ -48,9 +49,17 @@ def find_checkpoint(path: Path, which: Optional[str]) -> Checkpoint:
     return open_checkpoint(folder / which)
 
 
-def build_model(checkpoint: Checkpoint) -> torch.nn.Module:
-    """The model as the stored config builds it (random weights), in eval mode."""
-    cfg = OmegaConf.create(checkpoint.meta["config"])
+def build_model(checkpoint: Checkpoint, trust: bool = False) -> torch.nn.Module:
+    """The model as the stored config builds it (random weights), in eval mode. The stored config is data:
+    unless `trust`, its targets must be ones this project's conf/ or packages name (as on resume)."""
+    saved = checkpoint.meta["config"]
+    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+        raise UserError(f"checkpoint {checkpoint.path}: its saved config has no model node; expected the config "
+                        "written by this framework")
+    cfg = OmegaConf.create(as_data({"model": saved["model"]}))
+    if not trust:
+        project = Path.cwd()
+        check_saved_targets(cfg, conf_targets([project / "conf"]), project, f"the config saved in {checkpoint.path}")
     return build(cfg.model, "model").eval()
 
 
@@ -73,10 +82,10 @@ def to_torchscript(model: torch.nn.Module, batch: torch.Tensor, mode: str) -> to
                             f"try --torchscript {other}") from None
 
 
-def export(checkpoint: Checkpoint, out: Path, mode: str = "trace") -> dict[str, float]:
+def export(checkpoint: Checkpoint, out: Path, mode: str = "trace", trust: bool = False) -> dict[str, float]:
     """Write the two files under `out`, reload them, and return the max abs difference of each from the
     checkpoint's model on the example batch (raises UserError when outside tolerance)."""
-    model = build_model(checkpoint)
+    model = build_model(checkpoint, trust)
     weights = checkpoint.model_state()
     check_compatible(model, weights, f"checkpoint {checkpoint.path}", strict=True)
     model.load_state_dict(weights)
@@ -98,7 +107,7 @@ def export(checkpoint: Checkpoint, out: Path, mode: str = "trace") -> dict[str, 
     (out / WEIGHTS_FILE).write_bytes(save(state, metadata=metadata))
     to_torchscript(model, batch, mode).save(str(out / TORCHSCRIPT_FILE))
 
-    fresh = build_model(checkpoint)
+    fresh = build_model(checkpoint, trust)
     fresh.load_state_dict(load_file(str(out / WEIGHTS_FILE)))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*torch\.jit.*deprecated", category=FutureWarning)
@@ -130,11 +139,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/export)")
     parser.add_argument("--torchscript", choices=("trace", "script"), default="trace",
                         help="how model.pt is made (default: trace, on a [2, *data.input_shape] batch)")
+    parser.add_argument("--trust-saved-config", action="store_true",
+                        help="build the model even if the saved config names targets this project does not")
     args = parser.parse_args(argv)
     try:
         checkpoint = find_checkpoint(args.path, args.which)
         out = args.out or default_out(checkpoint)
-        diffs = export(checkpoint, out, args.torchscript)
+        diffs = export(checkpoint, out, args.torchscript, args.trust_saved_config)
     except UserError as err:
         print(f"Error: {err}", file=sys.stderr)
         return 1

@@ -46,7 +46,7 @@ class WorkerFailed(Exception):
 
 
 def spawn(cfg: DictConfig, run_dir: Path, nprocs: int, checkpoint: Optional[Path] = None,
-          hparams: Optional[dict[str, Any]] = None) -> None:
+          hparams: Optional[dict[str, Any]] = None, choices: Optional[dict[str, Any]] = None) -> None:
     """Run the Trainer in `nprocs` fresh processes and wait; raise the first failure.
 
     SIGINT and SIGTERM reaching this process are forwarded to the workers as SIGTERM (they ignore SIGINT,
@@ -55,7 +55,8 @@ def spawn(cfg: DictConfig, run_dir: Path, nprocs: int, checkpoint: Optional[Path
     import torch.multiprocessing as mp  # imported here: run.py imports this module before any config check
 
     errors = mp.get_context("spawn").SimpleQueue()
-    context = mp.start_processes(_worker, args=(nprocs, free_port(), cfg, run_dir, checkpoint, hparams, errors),
+    args = (nprocs, free_port(), cfg, run_dir, checkpoint, hparams, choices, errors)
+    context = mp.start_processes(_worker, args=args,
                                  nprocs=nprocs, join=False, start_method="spawn")
     received: list[int] = []
 
@@ -98,7 +99,7 @@ def _configure_logging(rank: int, run_dir: Path) -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, cfg: DictConfig, run_dir: Path, checkpoint: Optional[Path],
-            hparams: Optional[dict[str, Any]], errors: Any) -> None:
+            hparams: Optional[dict[str, Any]], choices: Optional[dict[str, Any]], errors: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent forwards Ctrl-C as SIGTERM, once
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -107,7 +108,8 @@ def _worker(rank: int, world_size: int, port: int, cfg: DictConfig, run_dir: Pat
     from framework.trainer import Trainer
 
     try:
-        Trainer(cfg, run_dir, resume_from=open_checkpoint(checkpoint) if checkpoint else None, hparams=hparams).fit()
+        Trainer(cfg, run_dir, resume_from=open_checkpoint(checkpoint) if checkpoint else None, hparams=hparams,
+                choices=choices).fit()
     except UserError as err:  # reported once, by the parent, without a traceback
         if rank == 0 or not isinstance(err, Interrupted):
             errors.put((rank, str(err), getattr(err, "signum", None)))

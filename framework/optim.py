@@ -171,6 +171,41 @@ def build_optimizer(node: DictConfig, model: nn.Module) -> tuple[torch.optim.Opt
     return optimizer, frozen
 
 
+def changed_options(saved: dict[str, Any], current: DictConfig) -> set[str]:
+    """The optimizer options this config sets differently from the run's saved one (`{"*"}`: the parameter
+    group rules changed, so every option may have)."""
+    now = OmegaConf.to_container(current, resolve=True)
+    if now.get("param_groups") != saved.get("param_groups"):
+        return {"*"}
+    return {k for k in set(now) | set(saved) if k not in ("_target_", "param_groups") and now.get(k) != saved.get(k)}
+
+
+def apply_changed_options(optimizer: torch.optim.Optimizer, scheduler: Optional["Scheduler"],
+                          configured: list[dict[str, Any]], changed: set[str]) -> None:
+    """After a restore, make the options the config changed take effect: the restored optimizer state would
+    otherwise win. `configured` are the groups as this config built them. A new `lr` rescales what the
+    schedule has reached (and what it scales from), so the run goes on along the same curve at the new base."""
+    lr_keys = ("lr", "initial_lr", "max_lr", "min_lr")
+    for i, (group, fresh) in enumerate(zip(optimizer.param_groups, configured)):
+        keys = set(fresh) - {"params", "param_names", "name", "initial_lr"} if "*" in changed else changed
+        for key in keys & set(fresh):
+            if key != "lr":
+                group[key] = fresh[key]
+                continue
+            new_base = fresh.get("initial_lr", fresh["lr"])
+            old_base = group.get("initial_lr", group["lr"])
+            ratio = new_base / old_base if old_base else None
+            for name in lr_keys:
+                if name in group:
+                    group[name] = group[name] * ratio if ratio is not None else new_base
+            if "initial_lr" in group:
+                group["initial_lr"] = new_base
+            if scheduler is not None and hasattr(scheduler.scheduler, "base_lrs"):
+                scheduler.scheduler.base_lrs[i] = new_base
+    if scheduler is not None and hasattr(scheduler.scheduler, "_last_lr"):
+        scheduler.scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
 def group_names(optimizer: torch.optim.Optimizer) -> list[str]:
     return [group.get("name", f"group{i}") for i, group in enumerate(optimizer.param_groups)]
 

@@ -1,19 +1,32 @@
 """Resume modes: which run directory a resumed run uses, which checkpoint it starts from, and its config.
 
-- `resume=RUN_DIR`: continue that run in place, from its newest intact checkpoint, with its saved config;
-  this command line's overrides still apply, and every key that changes is listed in a warning.
+- `resume=RUN_DIR`: continue that run in place, from its newest intact checkpoint, with its saved config.
 - `resume=CHECKPOINT_DIR`: a new run directory, starting from that checkpoint's full state and config.
 - `resume=auto`: with a fixed `hydra.run.dir`, resume it if it holds a checkpoint, else start fresh
   (what SLURM requeues and torchrun restarts need).
-The two resolvers are used by conf/config.yaml to choose the run directory before Hydra creates it.
+
+The resumed config is the one saved with the checkpoint, exactly: group choices, presets, `+` keys and config
+files of the user's own all come back from it, never from a fresh composition of the defaults. This command
+line's overrides apply on top: a value override sets its key; a group option other than the saved one replaces
+that group's node as a whole, or, for groups whose state the checkpoint holds (model, optimizer, data), is an
+error. So that Hydra composes value overrides against the right options, `argv_with_saved_choices` adds the
+saved run's group choices to the command line before Hydra starts.
+
+A saved config is data, not code: it may only build `_target_`s that the user's own code names (the conf
+tree, this command line, the project's packages), unless `trust_saved_config=true`.
 """
 from __future__ import annotations
 
 import datetime
+import importlib.util
+import json
 import logging
+import os
+import stat
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from framework.errors import ConfigError
@@ -21,6 +34,11 @@ from framework.errors import ConfigError
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
+# Groups whose option the checkpoint's state belongs to: another option cannot carry that state over.
+STATE_GROUPS = {"model": "its weights", "optimizer": "its optimizer state", "data": "its position in the data",
+                "experiment": "a preset sets many groups at once"}
+_NOT_FROM_SAVED = ("resume", "init_from", "trust_saved_config")  # this invocation's own, never the saved run's
+_META_MAX_BYTES = 64 * 2**20
 
 
 def _is_checkpoint(path: Path) -> bool:
@@ -31,6 +49,18 @@ def _is_run_dir(path: Path) -> bool:
     return path.is_dir() and not _is_checkpoint(path) and ((path / "checkpoints").is_dir() or (path / ".hydra").is_dir())
 
 
+def holds_run(path: Path) -> bool:
+    """Does `path` already hold a run (its config, checkpoints, summary or TensorBoard events)?"""
+    if not path.is_dir():
+        return False
+    if (path / ".hydra" / "config.yaml").is_file() or (path / "summary.json").exists():
+        return True
+    checkpoints = path / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        return True
+    return any(p.name.startswith("events.out.tfevents") for p in path.iterdir())
+
+
 def run_dir_resolver(resume: Optional[str], default: str) -> str:
     """`hydra.run.dir`: the resumed run's own directory for resume=RUN_DIR, else the usual new one."""
     if resume and resume != AUTO and _is_run_dir(Path(resume)):
@@ -38,12 +68,19 @@ def run_dir_resolver(resume: Optional[str], default: str) -> str:
     return default
 
 
+_subdirs: dict[tuple[Optional[str], str], str] = {}  # the first answer per run: Hydra resolves it again later
+
+
 def hydra_subdir_resolver(resume: Optional[str], run_dir: str) -> str:
-    """`hydra.output_subdir`: a resumed run keeps its original `.hydra/`; this invocation's goes beside it."""
-    resumed = Path(resume) if resume and resume != AUTO else Path(run_dir) if resume == AUTO else None
-    if resumed is not None and _is_run_dir(resumed):
-        return f".hydra/resumed-{datetime.datetime.now():%Y-%m-%d_%H-%M-%S}"
-    return ".hydra"
+    """`hydra.output_subdir`: a directory that already holds a run keeps its original `.hydra/`; this
+    invocation's goes beside it (`resumed-<time>`, or `attempt-<time>` for a fresh run, which app.py refuses
+    and removes). Decided once per run directory: once Hydra has written `.hydra/`, the directory holds a run."""
+    key = (resume, str(Path(run_dir).absolute()))
+    if key not in _subdirs:
+        kind = "resumed" if resume else "attempt"
+        held = holds_run(Path(run_dir))
+        _subdirs[key] = f".hydra/{kind}-{datetime.datetime.now():%Y-%m-%d_%H-%M-%S-%f}" if held else ".hydra"
+    return _subdirs[key]
 
 
 def register_resolvers() -> None:
@@ -78,6 +115,92 @@ def find_checkpoint(resume: Optional[str], run_dir: Path) -> Optional[Any]:
     return found
 
 
+# ---------------------------------------------------------------------------------------------- argv
+def _read_meta(path: Path) -> Optional[dict[str, Any]]:
+    """A checkpoint's meta.json as a dict, or None: only a regular file of sane size is read (never a FIFO)."""
+    try:
+        st = os.stat(path / "meta.json")
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _META_MAX_BYTES:
+            return None
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _newest_meta(run_dir: Path) -> Optional[dict[str, Any]]:
+    """The meta.json of the checkpoint with the highest step (read, not verified: only its choices are used)."""
+    folder = run_dir / "checkpoints"
+    best: Optional[dict[str, Any]] = None
+    if not folder.is_dir():
+        return None
+    for path in folder.iterdir():
+        if path.name.endswith((".tmp", ".old")) or not path.is_dir():
+            continue
+        meta = _read_meta(path)
+        step = meta.get("step") if meta else None
+        if isinstance(step, int) and (best is None or step > best["step"]):
+            best = meta
+    return best
+
+
+def _override_key(arg: str) -> str:
+    return arg.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+
+
+def _primary_groups(conf_dirs: list[Path]) -> set[str]:
+    """Groups named in the primary config's defaults list (only those can be overridden without `+`)."""
+    for folder in conf_dirs:
+        path = folder / "config.yaml"
+        if path.is_file():
+            try:
+                defaults = (yaml.safe_load(path.read_text()) or {}).get("defaults", [])
+            except yaml.YAMLError:
+                return set()
+            return {next(iter(item)) for item in defaults if isinstance(item, dict) and len(item) == 1}
+    return set()
+
+
+def argv_with_saved_choices(argv: list[str], conf_dir: Path) -> list[str]:
+    """For `resume=...`: the command line plus the saved run's group choices it does not set itself
+    (`model=cnn` for a cnn run), so Hydra composes this command line's value overrides against the options
+    the run used. Choices whose option file this conf tree lacks are left to the saved config alone."""
+    args = argv[1:]
+    overrides = [a for a in args if "=" in a and not a.startswith("-")]
+    resume = next((a.split("=", 1)[1] for a in overrides if _override_key(a) == "resume"), None)
+    if not resume or "-m" in args or "--multirun" in args:
+        return argv
+    conf_dirs = [conf_dir] + [Path(args[i + 1]) for i, a in enumerate(args[:-1]) if a in ("--config-dir", "-cd")]
+    if resume == AUTO:
+        run_dir = next((a.split("=", 1)[1] for a in overrides if _override_key(a) == "hydra.run.dir"), None)
+        meta = _newest_meta(Path(run_dir)) if run_dir else None
+    else:
+        path = Path(resume)
+        meta = _read_meta(path) if (path / "meta.json").exists() else _newest_meta(path)
+    choices = (meta or {}).get("choices")
+    if not isinstance(choices, dict):
+        return argv
+    given = {_override_key(a) for a in overrides}
+    groups = _primary_groups(conf_dirs)
+    added = [f"{group}={option}" for group, option in choices.items()
+             if isinstance(group, str) and isinstance(option, str) and group in groups and group not in given
+             and not group.startswith("hydra") and option.replace("_", "").replace("-", "").isalnum()
+             and any((folder / group / f"{option}.yaml").is_file() for folder in conf_dirs)]
+    return [argv[0], *args, *added]
+
+
+# ---------------------------------------------------------------------------------------------- config
+def as_data(value: Any) -> Any:
+    """A saved (resolved) value as literal data: a `${...}` inside it must not become an interpolation."""
+    if isinstance(value, dict):
+        return {k: as_data(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [as_data(v) for v in value]
+    if isinstance(value, str):
+        return value.replace("${", "\\${")
+    return value
+
+
 def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
     """Dotted key -> value for every leaf (lists are leaves)."""
     if isinstance(node, dict):
@@ -88,34 +211,199 @@ def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: node}
 
 
-def _overridden(key: str, overrides: list[str]) -> bool:
-    return any(key == o or key.startswith(o + ".") for o in overrides)
+def _raw(cfg: DictConfig, key: str) -> Any:
+    """The node at `key` as written (interpolations unresolved, so they resolve in the config it moves to)."""
+    parent_key, _, name = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    if not isinstance(parent, DictConfig) or name not in parent:
+        return OmegaConf.select(cfg, key)
+    node = parent._get_node(name)
+    if isinstance(node, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(node, resolve=False)
+    return node._value()
 
 
-def merged_config(cfg: DictConfig, saved: dict[str, Any], overrides: list[str]) -> DictConfig:
-    """The saved config, with this command line's overrides applied on top.
+def _delete(cfg: DictConfig, key: str) -> None:
+    parent_key, _, name = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    if isinstance(parent, DictConfig) and name in parent:
+        with open_dict(parent):
+            del parent[name]
 
-    `overrides` are the keys (or groups) set on this command line; for them the freshly composed value wins,
-    for every other key the saved one does. Keys that change from the saved run are listed in a warning.
-    """
-    merged = cfg.copy()
-    composed = _leaves(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
-    saved_leaves = _leaves(saved)
+
+def saved_choices(checkpoint: Any) -> dict[str, Optional[str]]:
+    """The group choices the checkpoint's run was composed with (format 2 keeps them in meta.json; older
+    checkpoints: the run directory's `.hydra/hydra.yaml`)."""
+    choices = checkpoint.meta.get("choices")
+    if isinstance(choices, dict):
+        return choices
+    path = checkpoint.path.parent.parent / ".hydra" / "hydra.yaml"
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _META_MAX_BYTES:  # never block on a FIFO
+            return {}
+        found = OmegaConf.select(OmegaConf.load(path), "hydra.runtime.choices")
+    except Exception:  # noqa: BLE001  (no readable record: every group counts as unchanged)
+        return {}
+    return OmegaConf.to_container(found) if isinstance(found, DictConfig) else {}
+
+
+def resumed_config(fresh: DictConfig, checkpoint: Any, choices: dict[str, Optional[str]],
+                   task_overrides: list[str]) -> tuple[DictConfig, dict[str, Optional[str]]]:
+    """The checkpoint's saved config, with this command line's overrides (`task_overrides`) applied on top,
+    and the group choices it stands for.
+
+    `fresh` is the config Hydra composed for this command line (its typed schemas and its values for the
+    overridden keys); `choices` its group choices. Every key that differs from the saved run is listed."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    where = f"resume={str(checkpoint.path)!r}"
+    saved = checkpoint.meta.get("config")
+    if not isinstance(saved, dict) or not all(isinstance(k, str) for k in saved):
+        raise ConfigError(f"{where}: the checkpoint's saved config is not a mapping of keys; expected the "
+                          "config written by this framework")
+    old_choices = saved_choices(checkpoint)
+    overrides = OverridesParser.create().parse_overrides([str(o) for o in task_overrides])
+    given = {override.key_or_group for override in overrides}
+    rechosen = []
+    for override in overrides:
+        group = override.key_or_group
+        if group not in choices or group.startswith("hydra") or override.package:
+            continue
+        old, new = old_choices.get(group, choices[group]), choices[group]
+        if old == new:
+            continue
+        if group in STATE_GROUPS:
+            raise ConfigError(f"{group}={new}: the run used {group}={old}, and {STATE_GROUPS[group]} cannot carry "
+                              f"over to another option on resume; expected {group}={old} or no {group}= (to start "
+                              f"a new run from its weights, use init_from={checkpoint.path} without resume)")
+        rechosen.append(group)
+
+    for key, why in (("seed", "its random streams and data order are restored from the checkpoint"),
+                     ("init_from", "its weights come from the checkpoint")):
+        if key in given and fresh.get(key) != (None if key == "init_from" else saved.get(key)):
+            raise ConfigError(f"{key}={fresh.get(key)}: a resumed run cannot take it ({why}); expected no {key}= "
+                              f"with resume= (start a new run for that)")
+
+    merged = fresh.copy()
     with open_dict(merged):
-        for key, value in saved_leaves.items():
-            if not _overridden(key, overrides) and key not in ("resume", "init_from"):
-                OmegaConf.update(merged, key, value, merge=False, force_add=True)
-    changed = [f"{key}: {saved_leaves.get(key)!r} -> {value!r}" for key, value in composed.items()
-               if _overridden(key, overrides) and key not in ("resume",) and saved_leaves.get(key) != value]
+        for key, value in as_data(saved).items():
+            if key in rechosen or key in _NOT_FROM_SAVED:
+                continue
+            try:
+                if key in merged and OmegaConf.get_type(merged, key) not in (dict, list, type(None)) \
+                        and isinstance(value, dict):  # a typed framework group: keep its schema
+                    for leaf, leaf_value in _leaves(value, key).items():
+                        OmegaConf.update(merged, leaf, leaf_value, merge=False)
+                else:
+                    merged[key] = value
+            except Exception as err:  # noqa: BLE001  (omegaconf's validation and key errors)
+                raise ConfigError(f"{where}: its saved config does not fit this version at {key} "
+                                  f"({str(err).splitlines()[0]}); expected a config this framework accepts "
+                                  "(start a new run with init_from= for its weights)") from None
+    for override in overrides:
+        key = override.key_or_group
+        if key in choices or key.startswith("hydra") or key in _NOT_FROM_SAVED \
+                or any(key.startswith(group + ".") for group in rechosen):
+            continue
+        if override.is_delete():
+            _delete(merged, key)
+        else:
+            OmegaConf.update(merged, key, _raw(fresh, key), merge=False, force_add=True)
+    for group in ("model", "optimizer"):
+        old_target, new_target = (saved.get(group) or {}).get("_target_"), OmegaConf.select(merged, f"{group}._target_")
+        if old_target != new_target:
+            raise ConfigError(f"{group}._target_={new_target!r}: the run used {old_target!r}, and "
+                              f"{STATE_GROUPS[group]} cannot carry over on resume; expected {old_target!r}")
+    _report_changes(saved, merged, rechosen, old_choices, choices)
+    kept = {group: option for group, option in old_choices.items() if group not in rechosen}
+    return merged, {**choices, **kept}
+
+
+def _report_changes(saved: dict[str, Any], merged: DictConfig, rechosen: list[str],
+                    old_choices: dict[str, Any], choices: dict[str, Any]) -> None:
+    try:
+        now = _leaves(OmegaConf.to_container(merged, resolve=True, enum_to_str=True))
+    except Exception:  # noqa: BLE001  (an unresolvable value is reported by the app's own check)
+        return
+    before = _leaves(saved)
+    changed = [f"{group}: {old_choices.get(group)} -> {choices[group]}" for group in rechosen]
+    changed += [f"{key}: {before.get(key, '(unset)')!r} -> {value!r}" for key, value in now.items()
+                if key.split(".")[0] not in _NOT_FROM_SAVED and before.get(key, object()) != value]
+    changed += [f"{key}: {value!r} -> (removed)" for key, value in before.items()
+                if key not in now and key.split(".")[0] not in _NOT_FROM_SAVED]
     if changed:
         log.warning("Resuming with a changed config (from this command line):\n  %s", "\n  ".join(changed))
-    return merged
 
 
-def override_keys(task_overrides: ListConfig | list[str]) -> list[str]:
-    """The keys or groups named by Hydra's task overrides (`a.b=1`, `+a.c=2`, `~a.d`, `model=cnn`)."""
-    keys = []
-    for override in task_overrides:
-        key = str(override).split("=", 1)[0].lstrip("+~")
-        keys.append(key.split("@", 1)[0].replace("/", "."))
-    return keys
+# ---------------------------------------------------------------------------------------------- trust
+def targets(node: Any, key: str = "") -> Iterator[tuple[str, Any]]:
+    """(config key, dotted path) of everything a config would import: `_target_`s and param-group `modules`."""
+    if isinstance(node, dict):
+        for name, value in node.items():
+            child = f"{key}.{name}" if key else str(name)
+            if name == "_target_" and value is not None:
+                yield child, value
+            elif name == "modules" and ".param_groups[" in key and isinstance(value, list):
+                yield from ((f"{child}[{i}]", v) for i, v in enumerate(value))
+            else:
+                yield from targets(value, child)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from targets(value, f"{key}[{i}]")
+
+
+def conf_targets(conf_dirs: list[Path]) -> set[str]:
+    """Every dotted path the config trees in `conf_dirs` name (the user's own configs)."""
+    found: set[str] = set()
+    for folder in conf_dirs:
+        for path in folder.rglob("*.yaml"):
+            try:
+                found.update(str(t) for _, t in targets(yaml.safe_load(path.read_text())))
+            except (yaml.YAMLError, OSError, UnicodeDecodeError):
+                continue
+    return found
+
+
+def _is_project_code(target: str, project: Path) -> bool:
+    """A dotted path to something defined in a package of the user's project (under `project`, not an
+    installed library). The package is found without importing anything else; only then is the object
+    located (importing the project's own modules), and it must be defined there: `framework.resume.os.system`
+    reaches `os.system` through a project module and is refused."""
+    top = target.split(".", 1)[0]
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: found, not imported
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    places = [spec.origin] if spec.origin else []
+    places += list(spec.submodule_search_locations or [])
+    for place in places:
+        resolved = Path(place).resolve()
+        if "site-packages" in resolved.parts or "dist-packages" in resolved.parts:
+            return False
+        if resolved.is_relative_to(project.resolve()):
+            break
+    else:
+        return False
+    from framework.instantiate import locate
+
+    try:
+        obj = locate(target, "_target_")
+    except ConfigError:
+        return False
+    return str(getattr(obj, "__module__", None) or "").split(".", 1)[0] == top
+
+
+def check_saved_targets(cfg: DictConfig, trusted: set[str], project: Path, source: str) -> None:
+    """Refuse, before anything is built, a `_target_` that came from a saved config and that the user's own
+    code does not name (`trusted`: the conf tree and this command line; plus `project`'s packages)."""
+    container = OmegaConf.to_container(cfg, resolve=False)
+    for key, target in targets(container):
+        if isinstance(target, str) and (target in trusted or _is_project_code(target, project)):
+            continue
+        raise ConfigError(f"{key}={target!r}: {source} names a target that neither this project's conf tree, "
+                          "this command line nor its own packages name, so it is not built (a saved config is "
+                          "data, not code); expected a target of your own, or trust_saved_config=true for a run "
+                          "you trust")

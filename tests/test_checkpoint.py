@@ -402,11 +402,17 @@ def test_cli_resume_of_a_damaged_checkpoint_named_explicitly_is_one_error_line(b
 
 
 # ---------------------------------------------------------------------------------------------- 4. mismatch
-def test_cli_resume_with_another_model_is_one_error_listing_the_keys(base, tmp_path):
+def test_cli_resume_with_another_model_option_is_one_error_naming_the_group(base, tmp_path):
     line = one_error_line(run_cli(tmp_path / "new", f"resume={base[0] / 'checkpoints' / 'last'}", "model=cnn"))
+    assert "model=cnn: the run used model=mlp, and its weights cannot carry over" in line
+    assert not (tmp_path / "new").exists()  # refused before it started: no run directory left behind
+
+
+def test_cli_resume_with_a_model_value_that_changes_the_weights_is_one_error_listing_the_keys(base, tmp_path):
+    line = one_error_line(run_cli(tmp_path / "new", f"resume={base[0] / 'checkpoints' / 'last'}",
+                                  "model.hidden=[32]"))
     assert "its weights do not fit this model" in line
-    assert "missing features.0.weight, features.1.weight, features.1.bias ..." in line
-    assert "unexpected net.1.bias, net.1.weight, net.3.bias ...)" in line  # sorted: a checkpoint's keys come unordered
+    assert "shape mismatch net.1.weight (256, 64) vs (32, 64)" in line
 
 
 def test_init_from_a_checkpoint_of_another_model_is_one_error_listing_the_keys(compose, base, tmp_path):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import output, read_scalars, run_cli
+from conftest import ROOT, output, read_scalars, run_cli
 from framework.task import ClassificationTask, StepOutput
 
 TESTS = str(Path(__file__).parent)
@@ -93,3 +95,164 @@ def test_ddp_sigterm_resumes_bit_exact(tmp_path):
     assert killed.returncode == 128 + signal.SIGTERM, output(killed)
     assert output(killed).count("Stopped by SIGTERM") == 1
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
+
+
+# ---------------------------------------------------------------------------------------------- resume rules
+# A resumed run is the saved run: its group choices, presets and `+` keys come back from the checkpoint, and
+# this command line's overrides apply on top of it (never a mix with the default options' keys).
+SHORT = ("trainer.max_steps=12", "trainer.limit_train_batches=4", "trainer.test=false")
+
+
+def saved_config(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "checkpoints" / "last" / "meta.json").read_text())["config"]
+
+
+def one_error_line(proc) -> str:
+    text = output(proc)
+    assert proc.returncode != 0 and "Traceback" not in text, text
+    lines = [line for line in text.splitlines() if line.startswith("Error")]
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def warmup_run(tmp_path_factory) -> Path:
+    """A run off the default path: a preset, other optimizer and scheduler options, and a `+` key."""
+    run_dir = tmp_path_factory.mktemp("rules") / "run"
+    proc = run_cli(run_dir, *SHORT, "experiment=digits_penalty", "scheduler=warmup_cosine", "scheduler.warmup_steps=4",
+                   "+optimizer.dampening=0.1", "logger.tensorboard=false")
+    assert proc.returncode == 0, output(proc)
+    return run_dir
+
+
+def copy_of(run_dir: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(run_dir, tmp_path / "run"))
+
+
+def test_resume_alone_rebuilds_the_saved_config_exactly(warmup_run, tmp_path):
+    run_dir = copy_of(warmup_run, tmp_path)
+    before = saved_config(run_dir)
+    proc = run_cli(None, f"resume={run_dir}", "trainer.max_steps=16", fast=False)
+    assert proc.returncode == 0, output(proc)
+    after = saved_config(run_dir)
+    assert after["trainer"]["max_steps"] == 16
+    after["trainer"]["max_steps"] = before["trainer"]["max_steps"]
+    assert after.pop("resume") == str(run_dir) and before.pop("resume") is None
+    assert after == before  # cnn from the preset, its Task, warmup_cosine, the `+` key: nothing else changed
+    assert "trainer.max_steps: 12 -> 16" in output(proc)
+
+
+def test_a_value_override_of_a_key_only_the_saved_option_has_is_accepted(warmup_run, tmp_path):
+    run_dir = copy_of(warmup_run, tmp_path)  # scheduler.warmup_steps exists in warmup_cosine, not the default
+    proc = run_cli(None, f"resume={run_dir}", "scheduler.warmup_steps=6", "trainer.max_steps=16", fast=False)
+    assert proc.returncode == 0, output(proc)
+    assert saved_config(run_dir)["scheduler"]["warmup_steps"] == 6
+
+
+def test_another_scheduler_option_replaces_the_saved_one_as_a_whole(warmup_run, tmp_path):
+    run_dir = copy_of(warmup_run, tmp_path)
+    proc = run_cli(None, f"resume={run_dir}", "scheduler=step", "trainer.max_steps=16", fast=False)
+    assert proc.returncode == 0, output(proc)
+    scheduler = saved_config(run_dir)["scheduler"]
+    assert scheduler["_target_"] == "torch.optim.lr_scheduler.StepLR"
+    assert "warmup_steps" not in scheduler and "total_steps" not in scheduler  # no key of the old option left
+    assert "scheduler: warmup_cosine -> step" in output(proc)
+
+
+@pytest.mark.parametrize("override, group, saved", [
+    ("model=mlp", "model", "cnn"), ("optimizer=adamw", "optimizer", "sgd"), ("data=fake", "data", "digits"),
+    ("experiment=resnet18_finetune", "experiment", "digits_penalty")])
+def test_a_group_whose_state_cannot_carry_over_is_one_error_and_changes_nothing(warmup_run, tmp_path, override,
+                                                                                group, saved):
+    run_dir = copy_of(warmup_run, tmp_path)
+    before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+    line = one_error_line(run_cli(None, f"resume={run_dir}", override, fast=False))
+    assert f"{override}: the run used {group}={saved}" in line and "cannot carry over" in line
+    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.name != "run.log") == \
+        [p for p in before if not p.endswith("run.log")]  # not even a .hydra/resumed-* record
+
+
+def test_another_optimizer_class_by_value_is_one_error(warmup_run, tmp_path):
+    run_dir = copy_of(warmup_run, tmp_path)
+    line = one_error_line(run_cli(None, f"resume={run_dir}", "optimizer._target_=torch.optim.Adam", fast=False))
+    assert "optimizer._target_='torch.optim.Adam': the run used 'torch.optim.SGD'" in line
+
+
+def test_a_learning_rate_given_on_resume_takes_effect_and_is_logged(tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_cli(run_dir, *SHORT, "trainer.log_every_n_steps=4").returncode == 0
+    proc = run_cli(None, f"resume={run_dir}", "optimizer.lr=0.05", "trainer.max_steps=20", fast=False)
+    assert proc.returncode == 0, output(proc)
+    assert "optimizer.lr: 0.1 -> 0.05" in output(proc)
+    lrs = dict(read_scalars(run_dir)["lr/default"])
+    assert lrs[12] == pytest.approx(0.1) and lrs[16] == pytest.approx(0.05) and lrs[20] == pytest.approx(0.05)
+
+
+def test_a_config_file_of_the_users_own_comes_back_from_the_checkpoint(tmp_path):
+    extra = tmp_path / "myconf" / "model"
+    extra.mkdir(parents=True)
+    (extra / "tiny.yaml").write_text("_target_: experiments.models.MLP\ninput_shape: ${data.input_shape}\n"
+                                     "num_classes: ${data.num_classes}\nhidden: [16]\n")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "--config-dir", str(tmp_path / "myconf"),
+                           f"hydra.run.dir={run_dir}", "model=tiny", "logger.progress_bar=false", *SHORT],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, output(proc)
+    proc = run_cli(None, f"resume={run_dir}", "trainer.max_steps=16", fast=False)  # no --config-dir this time
+    assert proc.returncode == 0, output(proc)
+    assert saved_config(run_dir)["model"]["hidden"] == [16]
+
+
+# ---------------------------------------------------------------------------------------------- saved config is data
+def poison(run_dir: Path, edit) -> None:
+    """Rewrite every checkpoint's meta.json (a new inode: checkpoints share files by hard links)."""
+    for meta_path in (run_dir / "checkpoints").glob("*/meta.json"):
+        meta = json.loads(meta_path.read_text())
+        edit(meta["config"])
+        meta_path.unlink()
+        meta_path.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("node", [
+    {"_target_": "builtins.open", "file": "VICTIM", "mode": "w"},
+    {"_target_": "shutil.rmtree", "path": "VICTIM_DIR"},
+    {"_target_": "framework.resume.os.remove", "path": "VICTIM"},  # reached through a module of the project
+    {"_target_": "torch.load", "f": "VICTIM", "weights_only": False},
+])
+def test_a_saved_config_naming_a_target_outside_the_users_code_is_refused_before_anything_is_built(
+        warmup_run, tmp_path, node):
+    run_dir = copy_of(warmup_run, tmp_path)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    node = {k: str(victim) if v == "VICTIM" else str(tmp_path) if v == "VICTIM_DIR" else v for k, v in node.items()}
+    poison(run_dir, lambda config: config["task"]["metrics"].update(evil=node))
+    line = one_error_line(run_cli(None, f"resume={run_dir}", fast=False))
+    assert f"task.metrics.evil._target_={node['_target_']!r}" in line and "trust_saved_config=true" in line
+    assert victim.read_text() == "precious"
+    export = subprocess.run([sys.executable, "-m", "framework.export", str(run_dir)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert export.returncode == 0  # export builds only the model, whose targets are the project's own
+    poison(run_dir, lambda config: config["model"].update(_target_=node["_target_"]))
+    export = subprocess.run([sys.executable, "-m", "framework.export", str(run_dir)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert export.returncode == 1 and "model._target_" in export.stderr and "Traceback" not in export.stderr
+    assert victim.read_text() == "precious"
+
+
+def test_trust_saved_config_builds_a_target_the_project_does_not_name(warmup_run, tmp_path):
+    run_dir = copy_of(warmup_run, tmp_path)
+    poison(run_dir, lambda config: config["task"].update(loss={"_target_": "torch.nn.MultiMarginLoss"}))
+    assert "torch.nn.MultiMarginLoss" in one_error_line(run_cli(None, f"resume={run_dir}", fast=False))
+    proc = run_cli(None, f"resume={run_dir}", "trust_saved_config=true", "trainer.max_steps=16", fast=False)
+    assert proc.returncode == 0, output(proc)
+    assert saved_config(run_dir)["task"]["loss"]["_target_"] == "torch.nn.MultiMarginLoss"
+
+
+def test_an_interpolation_inside_a_saved_config_stays_text(warmup_run, tmp_path):
+    run_dir = copy_of(warmup_run, tmp_path)
+    poison(run_dir, lambda config: config.update(name="${oc.env:HOME}"))
+    proc = run_cli(None, f"resume={run_dir}", "trainer.max_steps=16", fast=False)
+    assert proc.returncode == 0, output(proc)
+    assert saved_config(run_dir)["name"] == "${oc.env:HOME}"

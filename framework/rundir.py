@@ -1,0 +1,78 @@
+"""One run per directory: the lock a run holds on its directory, and cleaning up after an attempt refused.
+
+The lock is `fcntl.flock` on `RUN_DIR/.lock`, held for the life of the process: the kernel releases it when
+the process dies however it dies, so a lock left by a killed run is simply free again (no stale-PID
+guessing). The file records the holder's PID and host for the error message of a second process.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Optional
+
+from framework.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = ".lock"
+
+
+class RunDirLock:
+    """`with RunDirLock(run_dir):` the one process writing into `run_dir`; a second one gets a ConfigError."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK_FILE
+        self._fd: Optional[int] = None
+
+    def __enter__(self) -> "RunDirLock":
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as err:
+            raise ConfigError(f"hydra.run.dir={str(self.path.parent)!r}: cannot write there ({err.strerror}); "
+                              "expected a directory this user can write") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise ConfigError(f"hydra.run.dir={str(self.path.parent)!r}: {holder} is already running this run; "
+                              "expected one process per run directory (wait for it to end, or stop it, then "
+                              "resume)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"PID {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the lock; the file stays (removing it would race a waiting process)
+            self._fd = None
+
+
+def _close_file_logs(folder: Path) -> None:
+    """Close the log handlers writing into `folder` (Hydra's run.log), so the folder can be removed."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        filename = getattr(handler, "baseFilename", None)
+        if filename and Path(filename).resolve().is_relative_to(folder.resolve()):
+            root.removeHandler(handler)
+            handler.close()
+
+
+def discard_attempt(run_dir: Path, hydra_subdir: Optional[str], *, started: bool) -> None:
+    """Undo what this invocation left in `run_dir` when it failed: in a directory that already held a run, its
+    own `.hydra/<attempt>` record, unless it had `started` training there; a new directory that holds nothing
+    but this invocation's `.hydra/`, `run.log` and lock, whole. Nothing of an earlier run is ever touched."""
+    if hydra_subdir and hydra_subdir.startswith(".hydra/"):
+        if not started:
+            shutil.rmtree(run_dir / hydra_subdir, ignore_errors=True)
+        return
+    if hydra_subdir != ".hydra" or not run_dir.is_dir():
+        return
+    if {p.name for p in run_dir.iterdir()} <= {".hydra", "run.log", LOCK_FILE}:
+        _close_file_logs(run_dir)
+        shutil.rmtree(run_dir, ignore_errors=True)
