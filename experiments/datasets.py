@@ -41,6 +41,12 @@ def digits(split: str, val_fraction: float = 0.15, test_fraction: float = 0.15, 
     """
     if split not in SPLITS:
         raise ConfigError(f"data.*.split={split!r}: expected one of {', '.join(SPLITS)}")
+    for name, fraction in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+        if not 0.0 <= fraction < 1.0:
+            raise ConfigError(f"data.*.{name}={fraction!r}: expected a fraction in [0, 1)")
+    if val_fraction + test_fraction >= 1.0:
+        raise ConfigError(f"data.train.val_fraction + test_fraction = {val_fraction + test_fraction}: expected "
+                          "less than 1, so that the training split keeps some images")
     x, y = _digits_arrays()
     order = torch.randperm(len(x), generator=generator(split_seed))
     n_test, n_val = round(len(x) * test_fraction), round(len(x) * val_fraction)

@@ -16,22 +16,29 @@ class TensorBoardLogger:
     """Scalars and text into the run directory's event files (so `tensorboard --logdir outputs` finds them)."""
 
     def __init__(self, log_dir: Path, enabled: bool = True, purge_step: Optional[int] = None) -> None:
-        """`purge_step`: on resume, TensorBoard discards this run's events at or after it (no duplicates)."""
-        self.writer = None
-        if enabled:
+        """`purge_step`: on resume, TensorBoard discards this run's events at or after it (no duplicates).
+        The event file is created with the first thing logged: a run that fails before logging anything
+        leaves no event file that TensorBoard would show as an empty run."""
+        self.enabled, self.log_dir, self.purge_step = enabled, log_dir, purge_step
+        self._writer: Any = None
+
+    @property
+    def writer(self) -> Any:
+        if self._writer is None and self.enabled:
             from torch.utils.tensorboard import SummaryWriter  # imported only when used: it is slow to import
 
-            self.writer = SummaryWriter(log_dir=str(log_dir), flush_secs=10, purge_step=purge_step)
+            self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=10, purge_step=self.purge_step)
+        return self._writer
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        if self.writer is not None:
+        if self.enabled:
             for name, value in metrics.items():
                 self.writer.add_scalar(name, value, step)
 
     def log_hparams(self, hparams: Mapping[str, Any], metric_tags: list[str]) -> None:
         """Start this run's HParams session in its own event files (not a sub-run, as `add_hparams` would),
         so TensorBoard's HParams tab shows it beside its scalars; metric values are read from `metric_tags`."""
-        if self.writer is not None:
+        if self.enabled:
             from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
             experiment, session_start, _ = hparams_summaries(dict(hparams), {tag: 0.0 for tag in metric_tags})
@@ -40,24 +47,24 @@ class TensorBoardLogger:
             file_writer.add_summary(session_start)
 
     def end_hparams_session(self) -> None:
-        if self.writer is not None:
+        if self.enabled:
             from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
             _, _, session_end = hparams_summaries({"_": 0}, {})
             self.writer._get_file_writer().add_summary(session_end)
 
     def log_text(self, tag: str, text: str) -> None:
-        if self.writer is not None:
+        if self.enabled:
             self.writer.add_text(tag, text)
 
     def flush(self) -> None:
-        if self.writer is not None:
-            self.writer.flush()
+        if self._writer is not None:
+            self._writer.flush()
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        if self._writer is not None:
+            self._writer.close()
+        self._writer, self.enabled = None, False
 
 
 class ProgressBar:

@@ -8,6 +8,8 @@ class Accuracy:
     """Share of samples whose target is among the `top_k` highest scores."""
 
     def __init__(self, top_k: int = 1) -> None:
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            raise ValueError(f"top_k={top_k!r}: expected a whole number >= 1")
         self.top_k = top_k
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

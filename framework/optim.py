@@ -359,5 +359,10 @@ def lr_plan(scheduler: Scheduler, optimizer: torch.optim.Optimizer, steps_per_ep
                 for name, group in zip(names, dummy.param_groups):
                     plan[name].append((i * unit, group["lr"]))
             if i < scheduler.length:
-                sched.step()
+                try:
+                    sched.step()
+                except Exception as err:  # noqa: BLE001  (a value the class accepts but cannot step with)
+                    raise ConfigError(f"scheduler: {type(sched).__name__} fails at its step {i + 1} of this run "
+                                      f"({type(err).__name__}: {err}); expected values it can step with "
+                                      "(e.g. step_size >= 1)") from None
     return plan

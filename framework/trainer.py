@@ -305,8 +305,8 @@ class Trainer:
         log.info("Global batch: %d per process x %d process%s x %d accumulated = %d samples per optimizer step",
                  per_device, world, "es" if world > 1 else "", self.accumulate, per_device * world * self.accumulate)
         log.info("Parameter groups:\n%s", format_groups(self.optimizer, self.frozen))
-        write_json(self.run_dir / "param_groups.json", describe_groups(self.optimizer))
         plan = lr_plan(self.scheduler, self.optimizer, self.steps_per_epoch) if self.scheduler else {}
+        write_json(self.run_dir / "param_groups.json", describe_groups(self.optimizer))
         if self.step == 0:  # a resumed run already logged these
             for name, points in plan.items():
                 for step, lr in points:
