@@ -11,6 +11,12 @@ With `async_save`, the training loop waits only for a copy of the state into reu
 hashing, flushing and renaming happen on a background thread (as torch.distributed.checkpoint.async_save).
 This module knows nothing of what the state means: the trainer hands it plain nested dicts of tensors
 and primitives (what `state_dict()` methods return) and gets the same back.
+
+Whatever a checkpoint directory holds (a damaged file, a FIFO or a link to a device, a meta.json of the wrong
+shape or of gigabytes, a structure that does not match its tensors), reading it ends in one
+`DamagedCheckpoint` line naming the file: never a hang, a traceback or unbounded memory. Discovery skips such
+a checkpoint with a warning; `validate_state` and `validate_rng_state` check a loaded state against the live
+components before any of it is loaded, so a bad checkpoint cannot leave a run half-restored.
 """
 from __future__ import annotations
 
@@ -18,17 +24,19 @@ import json
 import logging
 import mmap
 import os
+import re
 import shutil
 import signal
+import stat
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import xxhash
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from framework.errors import ConfigError, UserError
@@ -38,6 +46,46 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 2  # written; 1 (same layout, CRC-32 checksums) is still read
 READABLE_VERSIONS = (1, 2)
 MODEL_FILE, STATE_FILE, META_FILE = "model.safetensors", "state.safetensors", "meta.json"
+# A meta.json is a few KiB (a big model's structure: a few MiB). The caps bound what a hostile one costs: its
+# parsed objects take at most ~20x its size in memory, and every recursive reader of it (ours, OmegaConf's
+# for the config) stays far from Python's recursion limit.
+MAX_META_BYTES = 16 * 2**20
+MAX_META_DEPTH = 32
+_MAX_COUNTER = 2**63 - 1  # counters end up in int64 tensors and TensorBoard steps
+# Never follow a final symlink, never block (a FIFO swapped in after the check), never leak into children.
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+class DamagedCheckpoint(UserError):
+    """A checkpoint that cannot be used as it is: missing, truncated or mismatched files, a meta.json of the
+    wrong shape, not a regular file, or a state that does not fit this run."""
+
+
+class UnreadableCheckpoint(UserError):
+    """Intact, maybe, but of a format this version cannot read: never skipped (resume=auto would start over
+    and its first saves would prune the checkpoints it could not read)."""
+
+
+class CheckpointSaveError(UserError, OSError):
+    """A checkpoint could not be written (disk full, file too large, no permission). Nothing of it is left
+    behind and the checkpoints already on disk are kept. Also an OSError: it is one, for callers that handle
+    I/O failures."""
+
+
+def _save_error(path: Path, err: BaseException) -> CheckpointSaveError:
+    if isinstance(err, OSError) and err.strerror:
+        file = Path(err.filename) if isinstance(err.filename, (str, Path)) else None
+        shown = file.relative_to(path.parent) if file is not None and file.is_relative_to(path.parent) else file
+        reason = f"{shown}: {err.strerror}" if shown is not None else err.strerror
+    else:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return CheckpointSaveError(f"could not save checkpoint {path} ({reason}); the previous checkpoints are kept. "
+                               f"Expected free space and write permission in {path.parent}")
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a half-written `NAME.tmp` (best effort: discovery ignores it and the next save replaces it)."""
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------- format
@@ -88,11 +136,15 @@ def digest(path: Path, crc32: bool = False) -> Any:
     2 GB/s and reading the file into a bytes object first cost more than the hash. `crc32`: the integer
     CRC-32 that format version 1 recorded."""
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            data: Any = b""
-            return zlib.crc32(data) if crc32 else "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return zlib.crc32(data) if crc32 else "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)
+        return _digest_fd(f.fileno(), crc32)
+
+
+def _digest_fd(fd: int, crc32: bool = False) -> Any:
+    if os.fstat(fd).st_size == 0:
+        data: Any = b""
+        return zlib.crc32(data) if crc32 else "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)
+    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as data:
+        return zlib.crc32(data) if crc32 else "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -115,7 +167,13 @@ def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
     The file's size is checked against its own header: the checksum is taken from the file, so a write that
     failed silently (an error at close, which Rust's writer ignores) must be caught here, before the
     checkpoint replaces the previous one."""
-    save_file(tensors, str(path))
+    try:
+        save_file(tensors, str(path))
+    except SafetensorError as err:  # an I/O error, reported by safetensors' Rust writer as "... (os error N)"
+        code = re.search(r"\(os error (\d+)\)", str(err))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
     with open(path, "rb") as f:
         header_size = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(header_size))
@@ -161,23 +219,34 @@ def write_checkpoint(path: Path, model_state: dict[str, torch.Tensor], state: di
 
     `durable`: flush every file and the directory to disk before and after the rename (fsync), so that even a
     machine crash or power cut leaves an intact checkpoint. Without it the write is still atomic for the
-    process (a kill, an OOM, a crash of Python), since the page cache outlives the process."""
+    process (a kill, an OOM, a crash of Python), since the page cache outlives the process.
+    A failure to write (a full disk, a file over the size limit, no permission) removes `path.tmp/` and raises
+    `CheckpointSaveError`; the previous checkpoints are untouched."""
     tmp = path.with_name(path.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    tensors: dict[str, torch.Tensor] = {}
-    structure = flatten(state, tensors)
-    checksums, flushes = {}, []
-    for name, content in ((MODEL_FILE, model_state), (STATE_FILE, tensors)):
-        checksums[name] = _write_tensors(tmp / name, _unshared(content))
-        if durable:
-            flushes.append(_in_helper(_fsync, tmp / name))
-    meta = {**meta, "format_version": FORMAT_VERSION, "structure": structure, "checksums": checksums}
-    _write(tmp / META_FILE, json.dumps(meta, indent=1).encode(), durable)
-    for flush in flushes:
-        flush.result()  # every file is on disk before the rename makes the checkpoint visible (raises its error)
-    _replace_dir(tmp, path, durable)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    except OSError as err:
+        raise _save_error(path, err) from None
+    flushes: list[Future] = []
+    try:
+        tensors: dict[str, torch.Tensor] = {}
+        structure = flatten(state, tensors)
+        checksums = {}
+        for name, content in ((MODEL_FILE, model_state), (STATE_FILE, tensors)):
+            checksums[name] = _write_tensors(tmp / name, _unshared(content))
+            if durable:
+                flushes.append(_in_helper(_fsync, tmp / name))
+        meta = {**meta, "format_version": FORMAT_VERSION, "structure": structure, "checksums": checksums}
+        _write(tmp / META_FILE, json.dumps(meta, indent=1).encode(), durable)
+        _join(flushes)  # every file is on disk before the rename makes the checkpoint visible (raises its error)
+        _replace_dir(tmp, path, durable)
+    except OSError as err:
+        for flush in flushes:
+            flush.exception()  # a flush still running must not race the removal
+        _discard(tmp)
+        raise _save_error(path, err) from None
 
 
 class CheckpointWriter:
@@ -186,10 +255,10 @@ class CheckpointWriter:
     In the background, `write` returns once the state is copied into host buffers that the next save reuses
     (no allocation after the first save; pinned memory for CUDA tensors): the loop then goes on while the
     files are written, hashed, flushed and renamed into place. Only one save is in flight: the next `write`
-    first waits for the previous one. A failure is logged when it happens, skips what was queued after it
-    (the links and the pruning that assumed the save), and is raised by the next `write` (after it has
-    queued its own save) or `wait`. A crash at any point leaves the previous checkpoint intact, as an inline
-    save does."""
+    first waits for the previous one. A failure skips what was queued after it (the links and the pruning
+    that assumed the save) and is raised by the next `write` (after it has queued its own save) or `wait`:
+    a CheckpointSaveError then, as the run's one error line; any other failure is also logged at once. A
+    crash at any point leaves the previous checkpoint intact, as an inline save does."""
 
     def __init__(self, durable: bool = True, background: bool = False) -> None:
         self.durable, self.background = durable, background
@@ -232,7 +301,9 @@ class CheckpointWriter:
             fn(*args)
         except BaseException as err:
             self._failure = err
-            log.error("A checkpoint save failed (%s: %s); the previous checkpoints are kept", type(err).__name__, err)
+            if not isinstance(err, UserError):
+                log.error("A checkpoint save failed (%s: %s); the previous checkpoints are kept",
+                          type(err).__name__, err)
             raise
 
     def wait(self) -> None:
@@ -296,24 +367,304 @@ def _remove_old(old: Path) -> None:
 def link_checkpoint(src: Path, dst: Path, durable: bool = True) -> None:
     """Make `dst` a copy of checkpoint `src` (hard links: no data is written twice), atomically."""
     tmp = dst.with_name(dst.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    for name in (MODEL_FILE, STATE_FILE, META_FILE):
-        try:
-            os.link(src / name, tmp / name)
-        except OSError:  # a file system without hard links
-            shutil.copy2(src / name, tmp / name)
-    _replace_dir(tmp, dst, durable)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except OSError as err:
+        raise _save_error(dst, err) from None
+    try:
+        for name in (MODEL_FILE, STATE_FILE, META_FILE):
+            try:
+                os.link(src / name, tmp / name)
+            except OSError:  # a file system without hard links
+                shutil.copy2(src / name, tmp / name)
+        _replace_dir(tmp, dst, durable)
+    except OSError as err:
+        _discard(tmp)
+        raise _save_error(dst, err) from None
 
 
-class DamagedCheckpoint(UserError):
-    pass
+# ---------------------------------------------------------------------------------------------- reading
+_KINDS = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISLNK, "a symbolic link"))
 
 
-class UnreadableCheckpoint(UserError):
-    """Intact, maybe, but of a format this version cannot read: never skipped (resume=auto would start over
-    and its first saves would prune the checkpoints it could not read)."""
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "a file of an unknown kind")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _name(path: Any) -> str:
+    """A path for a message: as is, or quoted when it holds a newline or a control character (a hostile
+    name must not forge a line of the log)."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)
+
+
+def _where(path: Path) -> str:
+    return f"checkpoint {_name(path)}"
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """A value read from a file, for a message: one short line, whatever the file holds."""
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, dict):
+        return f"a dict of {len(value)} entries"
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _key(key: Any) -> str:
+    text = str(key)
+    return text if text.isprintable() and len(text) <= 60 else _shown(key)
+
+
+def _keys(keys: list[Any], shown: int = 3) -> str:
+    return ", ".join(_key(k) for k in keys[:shown]) + (" ..." if len(keys) > shown else "")
+
+
+def _regular_file(folder: Path, name: str) -> str:
+    """The path of checkpoint file `folder/name`, checked without opening it to be a regular file inside
+    the checkpoint: opening a FIFO blocks forever, a device never ends, and a link out of the checkpoint
+    reads what the checkpoint does not hold."""
+    file = folder / name
+    try:
+        st, real = os.lstat(file), str(file)
+        if stat.S_ISLNK(st.st_mode):
+            real, inside = os.path.realpath(file), os.path.realpath(folder)
+            if os.path.commonpath([real, inside]) != inside:
+                raise DamagedCheckpoint(f"{_where(folder)}: {name} is a symbolic link to {_name(real)}, outside the "
+                                        "checkpoint; expected a regular file")
+            st = os.stat(real)
+    except FileNotFoundError:
+        raise DamagedCheckpoint(f"{_where(folder)}: {name} is missing") from None
+    except OSError as err:
+        raise DamagedCheckpoint(f"{_where(folder)}: {name} cannot be read ({err.strerror}); expected a readable "
+                                "regular file") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise DamagedCheckpoint(f"{_where(folder)}: {name} is {_kind(st.st_mode)}; expected a regular file")
+    return real
+
+
+def _open_file(folder: Path, name: str) -> tuple[int, str]:
+    """A descriptor of checkpoint file `folder/name` (see `_regular_file`) and its path. Opened non-blocking
+    and checked again: a file swapped for a FIFO after the check cannot block either."""
+    real = _regular_file(folder, name)
+    try:
+        fd = os.open(real, _READ_FLAGS)
+    except OSError as err:
+        raise DamagedCheckpoint(f"{_where(folder)}: {name} cannot be read ({err.strerror}); expected a readable "
+                                "regular file") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise DamagedCheckpoint(f"{_where(folder)}: {name} is {_kind(mode)}; expected a regular file")
+    return fd, real
+
+
+def _fd_path(fd: int, real: str) -> str:
+    """A path that opens the very file `fd` is open on (Linux's /proc), for readers that take a path: what
+    was checked is what they read, even if the name is replaced in between."""
+    proc = f"/proc/self/fd/{fd}"
+    return proc if os.path.exists(proc) else real
+
+
+def _identity(fd: int) -> tuple[int, int, int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _check_directory(path: Path) -> None:
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise DamagedCheckpoint(f"{_where(path)}: no such directory; expected a checkpoint directory") from None
+    except OSError as err:
+        raise DamagedCheckpoint(f"{_where(path)} cannot be read ({err.strerror}); expected a readable "
+                                "checkpoint directory") from None
+    if not stat.S_ISDIR(mode):
+        raise DamagedCheckpoint(f"{_where(path)} is {_kind(mode)}; expected a directory holding {MODEL_FILE}, "
+                                f"{STATE_FILE} and {META_FILE}")
+
+
+def _read_meta(path: Path) -> Any:
+    """meta.json parsed, read only up to MAX_META_BYTES."""
+    fd, _ = _open_file(path, META_FILE)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        data = f.read(MAX_META_BYTES + 1) if size <= MAX_META_BYTES else b""
+    if size > MAX_META_BYTES or len(data) > MAX_META_BYTES:
+        raise DamagedCheckpoint(f"{_where(path)}: {META_FILE} is {max(size, len(data))} bytes, over the "
+                                f"{MAX_META_BYTES // 2**20} MiB it may have; expected counters, metrics, the config "
+                                "and the state's structure (a few KiB)")
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise DamagedCheckpoint(f"{_where(path)}: {META_FILE} is nested too deeply to read; expected at most "
+                                f"{MAX_META_DEPTH} levels") from None
+    except ValueError as err:  # bad JSON, bad UTF-8, an integer of over 4300 digits
+        raise DamagedCheckpoint(f"{_where(path)}: {META_FILE} is not valid JSON ({err})") from None
+
+
+def _too_deep(obj: Any, limit: int) -> bool:
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def _check_meta(path: Path, meta: Any) -> None:
+    """meta.json's schema: the type and range of every field the framework reads."""
+    where = f"{_where(path)}: {META_FILE}"
+    if not isinstance(meta, dict):
+        raise DamagedCheckpoint(f"{where} holds {_shown(meta)}; expected a JSON object")
+    version = meta.get("format_version")
+    if not _is_int(version) or version not in READABLE_VERSIONS:
+        if _is_int(version) and version > FORMAT_VERSION:
+            raise UnreadableCheckpoint(f"{where}: format version {version} comes from a newer version of "
+                                       f"this framework, which reads versions {', '.join(map(str, READABLE_VERSIONS))}"
+                                       "; expected one of those (upgrade the framework to load it)")
+        raise DamagedCheckpoint(f"{where} has format_version={_shown(version)}; expected one of "
+                                f"{', '.join(map(str, READABLE_VERSIONS))}")
+    if _too_deep(meta, MAX_META_DEPTH):
+        raise DamagedCheckpoint(f"{where} is nested more than {MAX_META_DEPTH} levels deep; expected counters, "
+                                "metrics, the config and the state's structure")
+    checksums = meta.get("checksums")
+    if "checksums" in meta and not isinstance(checksums, dict):
+        raise DamagedCheckpoint(f"{where} has checksums={_shown(checksums)}; expected an object of file checksums")
+    lacking = [key for key in ("step", "structure", "config") if key not in meta]
+    lacking += [f"checksums.{name}" for name in (MODEL_FILE, STATE_FILE) if name not in (checksums or {})]
+    if lacking:
+        raise DamagedCheckpoint(f"{where} lacks {', '.join(lacking)}")
+    for key, least in (("step", 0), ("epoch", 0), ("batch_in_epoch", 0), ("world_size", 1)):
+        value = meta.get(key, least)  # only step is required: small checkpoints need no loop position
+        if not (_is_int(value) and least <= value <= _MAX_COUNTER):
+            raise DamagedCheckpoint(f"{where} has {key}={_shown(value)}; expected a whole number >= {least}")
+    metrics = meta.get("metrics", {})
+    wrong = [k for k, v in metrics.items() if not _is_number(v)] if isinstance(metrics, dict) else None
+    if wrong is None or wrong:
+        shown = _shown(metrics) if wrong is None else f"{_key(wrong[0])}={_shown(metrics[wrong[0]])}"
+        raise DamagedCheckpoint(f"{where} has metrics {shown}; expected an object of metric names to numbers")
+    if not isinstance(meta["config"], dict):
+        raise DamagedCheckpoint(f"{where} has config={_shown(meta['config'])}; expected an object (the run's config)")
+    for name in (MODEL_FILE, STATE_FILE):
+        value = checksums[name]
+        if not ((_is_int(value) and 0 <= value < 2**32) if version == 1 else isinstance(value, str)):
+            expected = "a CRC-32 (a whole number)" if version == 1 else "a string such as xxh3_64:0123456789abcdef"
+            raise DamagedCheckpoint(f"{where} has checksums.{name}={_shown(value)}; expected {expected}")
+    _structure_refs(path, meta["structure"])
+
+
+_MARKERS = ("__tensor__", "__tuple__", "__items__")
+
+
+def _structure_refs(path: Path, structure: Any) -> list[str]:
+    """The tensor names `structure` refers to. Raises DamagedCheckpoint unless it is what `flatten` writes for
+    a dict, so that `unflatten` cannot fail on it."""
+    refs: list[str] = []
+
+    def malformed(at: str, why: str) -> DamagedCheckpoint:
+        return DamagedCheckpoint(f"{_where(path)}: {META_FILE} structure at {at or '/'} {why}; expected what "
+                                 "checkpoint.flatten writes")
+
+    def walk(node: Any, at: str) -> None:
+        if isinstance(node, list):
+            for i, item in enumerate(node):
+                walk(item, f"{at}/{i}")
+            return
+        if not isinstance(node, dict):
+            return
+        marked = [k for k in node if k.startswith("__")]
+        if not marked:
+            for key, value in node.items():
+                walk(value, f"{at}/{_key(key)}")
+            return
+        if len(node) != 1 or marked[0] not in _MARKERS:
+            raise malformed(at, f"has the keys {_keys(list(node))}")
+        kind, value = marked[0], node[marked[0]]
+        if kind == "__tensor__":
+            if not isinstance(value, str):
+                raise malformed(at, f"refers to the tensor {_shown(value)}, not a name")
+            refs.append(value)
+        elif not isinstance(value, list):
+            raise malformed(at, f"holds {_shown(value)} under {kind}, not a list")
+        elif kind == "__tuple__":
+            for i, item in enumerate(value):
+                walk(item, f"{at}/{i}")
+        else:
+            for item in value:
+                if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int, float, bool))):
+                    raise malformed(at, f"holds the item {_shown(item)} under __items__, not a [key, value] pair")
+                walk(item[1], f"{at}/{_key(item[0])}")
+
+    if not isinstance(structure, dict) or "__tensor__" in structure or "__tuple__" in structure:
+        raise malformed("", f"is {_shown(structure)}, not a dict of the state")
+    walk(structure, "")
+    return refs
+
+
+def _check_refs(path: Path, refs: list[str], names: Iterable[str]) -> None:
+    """The structure must use every tensor of state.safetensors, each exactly once."""
+    names = set(names)
+    seen: set[str] = set()
+    twice = [ref for ref in refs if ref in seen or seen.add(ref)]  # type: ignore[func-returns-value]
+    problems = []
+    missing = [ref for ref in refs if ref not in names]
+    unused = sorted(names - seen)
+    if missing:
+        problems.append(f"it refers to tensors that {STATE_FILE} lacks: {_keys(missing)}")
+    if unused:
+        problems.append(f"{STATE_FILE} holds tensors it does not use: {_keys(unused)}")
+    if twice:
+        problems.append(f"it refers twice to {_keys(twice)}")
+    if problems:
+        raise DamagedCheckpoint(f"{_where(path)}: {META_FILE} structure does not match {STATE_FILE} "
+                                f"({'; '.join(problems)}); expected the two files of one save")
+
+
+def _verify(path: Path, name: str, fd: int, meta: dict[str, Any]) -> None:
+    expected = meta["checksums"][name]
+    if _digest_fd(fd, crc32=isinstance(expected, int)) != expected:
+        raise DamagedCheckpoint(f"{_where(path)}: {name} does not match its checksum (damaged or truncated)")
+
+
+def _not_safetensors(path: Path, name: str, err: Exception) -> DamagedCheckpoint:
+    return DamagedCheckpoint(f"{_where(path)}: {name} is not a valid safetensors file "
+                             f"({str(err).splitlines()[0] if str(err) else type(err).__name__})")
+
+
+def _tensor_names(path: Path, name: str, fd: int, real: str) -> list[str]:
+    """The tensor names in a checked file's header, which safetensors validates whole (offsets, sizes, dtypes)."""
+    try:
+        with safe_open(_fd_path(fd, real), framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError, ValueError) as err:  # a file written with its checksum but not by safetensors
+        raise _not_safetensors(path, name, err) from None
+
+
+def _load_tensors(path: Path, name: str, fd: int, real: str) -> dict[str, torch.Tensor]:
+    """The tensors of a checked file, memory-mapped copy-on-write (a change never reaches the file)."""
+    try:
+        return load_file(_fd_path(fd, real))
+    except (SafetensorError, OSError, ValueError, TypeError, RuntimeError) as err:
+        raise _not_safetensors(path, name, err) from None
 
 
 @dataclass
@@ -336,96 +687,281 @@ class Checkpoint:
         """The training state, in memory of its own: optimizer state would otherwise keep the file mapped
         for the whole run (load_state_dict does not copy tensors already on the right device), and a mapped
         file cannot be deleted cleanly on every file system when a later save prunes it."""
-        tensors = {k: v.clone() for k, v in self._load(STATE_FILE).items()}
-        return unflatten(self.meta["structure"], tensors)
+        tensors = self._load(STATE_FILE)
+        _check_refs(self.path, _structure_refs(self.path, self.meta["structure"]), tensors)
+        return unflatten(self.meta["structure"], {k: v.clone() for k, v in tensors.items()})
 
     def _load(self, name: str) -> dict[str, torch.Tensor]:
-        if self.verified.get(name) != _identity(self.path / name):
-            _verify(self.path, name, self.meta)
-        return _load_tensors(self.path, name)
+        fd, real = _open_file(self.path, name)
+        try:
+            if self.verified.get(name) != _identity(fd):
+                _verify(self.path, name, fd, self.meta)
+            return _load_tensors(self.path, name, fd, real)
+        finally:
+            os.close(fd)
 
 
-def _identity(path: Path) -> tuple[int, int, int, int]:
-    st = os.stat(path)
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def _verify(path: Path, name: str, meta: dict[str, Any]) -> None:
-    expected = meta["checksums"][name]
-    if digest(path / name, crc32=isinstance(expected, int)) != expected:
-        raise DamagedCheckpoint(f"checkpoint {path}: {name} does not match its checksum (damaged or truncated)")
-
-
-def _load_tensors(path: Path, name: str) -> dict[str, torch.Tensor]:
-    """The tensors of a checked file, memory-mapped copy-on-write (a change never reaches the file)."""
+def _verify_files(path: Path, meta: dict[str, Any]) -> dict[str, tuple[int, int, int, int]]:
+    """Check both data files against their checksums (at once, on two cores), their headers, and the
+    structure against the state's tensors; returns the identities of the files checked."""
+    opened: dict[str, tuple[int, str]] = {}
     try:
-        return load_file(str(path / name))
-    except SafetensorError as err:  # a file written with its checksum but not by safetensors
-        raise DamagedCheckpoint(f"checkpoint {path}: {name} is not a valid safetensors file ({err})") from None
+        for name in (MODEL_FILE, STATE_FILE):
+            opened[name] = _open_file(path, name)
+        _join([_in_helper(_verify, path, name, fd, meta) for name, (fd, _) in opened.items()])
+        names = {name: _tensor_names(path, name, *opened[name]) for name in opened}
+        _check_refs(path, _structure_refs(path, meta["structure"]), names[STATE_FILE])
+        return {name: _identity(fd) for name, (fd, _) in opened.items()}
+    finally:
+        for fd, _ in opened.values():
+            os.close(fd)
 
 
 def open_checkpoint(path: Path, verify: bool = True) -> Checkpoint:
-    """Read a checkpoint's meta.json and check both data files are present and intact."""
-    try:
-        meta = json.loads((path / META_FILE).read_text())
-    except FileNotFoundError:
-        raise DamagedCheckpoint(f"checkpoint {path}: {META_FILE} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise DamagedCheckpoint(f"checkpoint {path}: {META_FILE} is not valid JSON ({err})") from None
-    version = meta.get("format_version") if isinstance(meta, dict) else None
-    if version not in READABLE_VERSIONS:
-        if isinstance(version, int) and version > FORMAT_VERSION:
-            raise UnreadableCheckpoint(f"checkpoint {path}: format version {version} comes from a newer version of "
-                                       f"this framework, which reads versions {', '.join(map(str, READABLE_VERSIONS))}"
-                                       "; expected one of those (upgrade the framework to load it)")
-        raise DamagedCheckpoint(f"checkpoint {path}: format version {version!r}; expected one of "
-                                f"{', '.join(map(str, READABLE_VERSIONS))}")
-    checksums = meta["checksums"] if isinstance(meta.get("checksums"), dict) else {}
-    lacking = [key for key in ("step", "structure", "config") if key not in meta]
-    lacking += [f"checksums.{name}" for name in (MODEL_FILE, STATE_FILE) if name not in checksums]
-    if lacking:
-        raise DamagedCheckpoint(f"checkpoint {path}: {META_FILE} lacks {', '.join(lacking)}")
-    for name in (MODEL_FILE, STATE_FILE):
-        if not (path / name).is_file():
-            raise DamagedCheckpoint(f"checkpoint {path}: {name} is missing")
-    verified = {}
-    if verify:
-        names = (MODEL_FILE, STATE_FILE)
-        identities = [_identity(path / name) for name in names]
-        _join([_in_helper(_verify, path, name, meta) for name in names])  # both files at once
-        verified = dict(zip(names, identities))
-    return Checkpoint(path, meta, verified)
+    """Read a checkpoint's meta.json and check it: its schema, both data files regular files, and with
+    `verify` both intact (checksums) and consistent with it (the structure uses exactly the state's tensors).
+    Raises DamagedCheckpoint, one line naming the file, or UnreadableCheckpoint for a newer format."""
+    _check_directory(path)
+    meta = _read_meta(path)
+    _check_meta(path, meta)
+    if not verify:
+        for name in (MODEL_FILE, STATE_FILE):
+            _regular_file(path, name)
+        return Checkpoint(path, meta)
+    return Checkpoint(path, meta, _verify_files(path, meta))
 
 
 def find_latest(run_dir: Path) -> Optional[Checkpoint]:
-    """The newest intact checkpoint of a run; damaged ones are skipped with a warning naming them.
+    """The newest intact checkpoint of a run. Anything else in `checkpoints/` (a damaged checkpoint, a file,
+    a FIFO, a link out of the folder) is skipped with a warning naming it and why, without being opened.
 
     Every meta.json is read, but data files are hashed newest first and only until one is intact: a run that
-    keeps every periodic checkpoint does not re-read all of them to resume from the last."""
-    folder = run_dir / "checkpoints"
-    candidates = [p for p in folder.iterdir() if p.is_dir() and not p.name.endswith(".tmp")] if folder.is_dir() else []
-    described = []
-    for path in candidates:
-        try:
-            described.append(open_checkpoint(path, verify=False))
-        except DamagedCheckpoint as err:
-            log.warning("Skipping a damaged checkpoint: %s", err)
-    # Newest step first; at equal steps any copy will do (last and step-N hold the same state).
-    for checkpoint in sorted(described, key=lambda c: (c.step, c.path.name == "last"), reverse=True):
-        try:
-            return open_checkpoint(checkpoint.path)
-        except DamagedCheckpoint as err:
-            log.warning("Skipping a damaged checkpoint: %s", err)
+    keeps every periodic checkpoint does not re-read all of them to resume from the last. A checkpoint that
+    disappears while being read (a run still saving into this folder replaced it) makes discovery look again."""
+    for _ in range(3):
+        found, vanished = _newest_intact(run_dir / "checkpoints")
+        if found is not None or not vanished:
+            return found
     return None
 
 
+def _newest_intact(folder: Path) -> tuple[Optional[Checkpoint], bool]:
+    described, vanished = [], False
+    for path in _candidates(folder):
+        try:
+            described.append(open_checkpoint(path, verify=False))
+        except DamagedCheckpoint as err:
+            vanished |= _skip(path, err)
+    # Newest step first; at equal steps any copy will do (last and step-N hold the same state).
+    for checkpoint in sorted(described, key=lambda c: (c.step, c.path.name == "last"), reverse=True):
+        try:
+            return open_checkpoint(checkpoint.path), vanished
+        except DamagedCheckpoint as err:
+            vanished |= _skip(checkpoint.path, err)
+    return None, vanished
+
+
+def _skip(path: Path, err: DamagedCheckpoint) -> bool:
+    """Warn that a checkpoint is skipped; True (and no warning) when it is gone: removed while being read."""
+    if not os.path.lexists(path):
+        log.debug("%s disappeared while being read", _where(path))
+        return True
+    log.warning("Skipping a damaged checkpoint: %s", err)
+    return False
+
+
+def _candidates(folder: Path) -> list[Path]:
+    """The directories in `folder`, and links to directories inside it; anything else is skipped with a
+    warning, from its lstat alone. Leftovers `NAME.tmp` of an interrupted save are ignored."""
+    try:
+        entries = sorted(entry.name for entry in os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as err:
+        raise DamagedCheckpoint(f"{_name(folder)} cannot be listed ({err.strerror}); expected a readable "
+                                "folder of checkpoints") from None
+    found = []
+    inside = os.path.realpath(folder)
+    for name in entries:
+        if name.endswith(".tmp"):
+            continue
+        path = folder / name
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            continue  # gone since the listing
+        except OSError as err:
+            log.warning("Skipping a damaged checkpoint: %s cannot be read (%s)", _where(path), err.strerror)
+            continue
+        problem = None
+        if stat.S_ISLNK(mode):
+            real = os.path.realpath(path)
+            if os.path.commonpath([real, inside]) != inside or real == inside:
+                problem = f"is a symbolic link to {_name(real)}, not to a checkpoint inside {_name(folder)}"
+            else:
+                try:
+                    mode = os.stat(real).st_mode
+                except OSError as err:
+                    problem = f"is a symbolic link to {_name(real)}, which cannot be read ({err.strerror})"
+        if problem is None and not stat.S_ISDIR(mode):
+            problem = f"is {_kind(mode)}"
+        if problem is not None:
+            log.warning("Skipping a damaged checkpoint: %s %s; expected a checkpoint directory", _where(path), problem)
+            continue
+        found.append(path)
+    return found
+
+
+# ---------------------------------------------------------------------------------------------- validation
+def _mismatch(at: str, saved: Any, live: Any) -> DamagedCheckpoint:
+    return DamagedCheckpoint(f"{at}: the checkpoint holds {_shown(saved)}, expected {_shown(live)} as in this run "
+                             "(a checkpoint of another model, optimizer or config, or a damaged one)")
+
+
+def validate_state(saved: Any, live: Any, where: str) -> None:
+    """Check that `saved`, a component's state as `Checkpoint.state()` returns it, fits `live`, the same
+    component's `state_dict()` in this run, before anything is loaded: a checkpoint that does not fit must end
+    the run with one line, not leave it half-restored or fail at its first step. Raises DamagedCheckpoint;
+    its message starts with `where` (e.g. f"checkpoint {path}: optimizer") and the path within the state
+    ("/state/3/exp_avg"), then says what was saved and what was expected.
+
+    - A tensor must have the live one's dtype and shape; a live tensor with no elements (a buffer that fills
+      as the run goes, e.g. a window of losses) takes any length in the same number of dimensions.
+    - A dict must have the live one's keys, a list or tuple its length, item by item.
+    - A plain value must be of the live one's kind: number (int or float), bool, string; a live None takes
+      any plain value.
+    The live component has not run yet: an empty live dict or list (no metric yet, no entry in a registry)
+    takes saved entries of any key or number. For torch.optim's layout (`state` and `param_groups`) the groups
+    must match; per-parameter states are compared where the live optimizer has them, and otherwise (it has
+    not stepped) must be dicts belonging to parameters that `param_groups` lists."""
+    if isinstance(live, torch.Tensor):
+        variable = live.numel() == 0 and isinstance(saved, torch.Tensor) and saved.dim() == live.dim()
+        if not isinstance(saved, torch.Tensor) or saved.dtype != live.dtype or (saved.shape != live.shape
+                                                                                and not variable):
+            raise _mismatch(where, saved, live)
+    elif isinstance(live, dict):
+        if not isinstance(saved, dict):
+            raise _mismatch(where, saved, live)
+        if set(live) == {"state", "param_groups"}:
+            _validate_optimizer(saved, live, where)
+        elif live:
+            _same_keys(saved, live, where)
+            for key, value in live.items():
+                validate_state(saved[key], value, f"{where}/{_key(key)}")
+    elif isinstance(live, (list, tuple)):
+        if not isinstance(saved, (list, tuple)) or (live and len(saved) != len(live)):
+            raise _mismatch(where, saved, live)
+        for i, value in enumerate(live):
+            validate_state(saved[i], value, f"{where}/{i}")
+    elif isinstance(saved, (dict, list, tuple, torch.Tensor)) or (live is not None and _plain_kind(saved) !=
+                                                                   _plain_kind(live)):
+        raise _mismatch(where, saved, live)
+
+
+def _plain_kind(value: Any) -> str:
+    return "bool" if isinstance(value, bool) else "number" if _is_number(value) else type(value).__name__
+
+
+def _same_keys(saved: dict, live: dict, where: str) -> None:
+    missing = [k for k in live if k not in saved]
+    unexpected = [k for k in saved if k not in live]
+    if missing or unexpected:
+        differences = ([f"lacks {_keys(missing)}"] if missing else []) + (
+            [f"has {_keys(unexpected)} too"] if unexpected else [])
+        raise DamagedCheckpoint(f"{where}: the checkpoint's state {' and '.join(differences)}; expected the keys "
+                                f"{_keys(list(live), 6)} as in this run (a checkpoint of another model, optimizer or "
+                                "config, or a damaged one)")
+
+
+def _validate_optimizer(saved: dict, live: dict, where: str) -> None:
+    """torch.optim's state_dict: `param_groups` (with the ids of their parameters) and per-parameter `state`
+    keyed by those ids, which load_state_dict matches to this run's parameters by position."""
+    _same_keys(saved, live, where)
+    validate_state(saved["param_groups"], live["param_groups"], f"{where}/param_groups")
+    saved_ids = [i for group in saved["param_groups"] for i in group.get("params", [])]
+    live_ids = [i for group in live["param_groups"] for i in group.get("params", [])]
+    if not all(_is_int(i) for i in saved_ids) or len(set(saved_ids)) != len(saved_ids):
+        raise DamagedCheckpoint(f"{where}/param_groups: the parameter ids {_keys(saved_ids, 6)} are not distinct "
+                                "whole numbers; expected the ids torch.optim writes")
+    position = dict(zip(saved_ids, live_ids))
+    if not isinstance(saved["state"], dict):
+        raise _mismatch(f"{where}/state", saved["state"], live["state"])
+    for key, entry in saved["state"].items():
+        at = f"{where}/state/{_key(key)}"
+        if key not in position:
+            raise DamagedCheckpoint(f"{at}: the checkpoint holds the state of parameter {_key(key)}, which no param "
+                                    f"group lists; expected one of {_keys(saved_ids, 6)}")
+        if position[key] in live["state"]:
+            validate_state(entry, live["state"][position[key]], at)
+        elif not isinstance(entry, dict):
+            raise _mismatch(at, entry, {})
+
+
+def validate_rng_state(state: Any, where: str) -> None:
+    """Check one process's RNG state, as `reproducibility.rng_state()` captures it, before any of it is set
+    (`set_rng_state` sets python's, numpy's, torch's, then CUDA's: a bad one would leave the others set).
+    Python's and numpy's are checked field by field (numpy does not check its position itself: one out of
+    range crashes the process later); torch's and CUDA's are set on private generators, which apply torch's
+    own checks and leave the global ones alone. Raises DamagedCheckpoint naming `where/python` etc."""
+    if not isinstance(state, dict) or any(key not in state for key in ("python", "numpy", "torch")):
+        raise DamagedCheckpoint(f"{where}: the checkpoint holds {_shown(state)}; expected the python, numpy and "
+                                "torch RNG states")
+    python = state["python"]
+    internal = python[1] if isinstance(python, (list, tuple)) and len(python) == 3 else None
+    if not (isinstance(internal, (list, tuple)) and len(internal) == 625 and python[0] == 3 and _is_int(python[0])
+            and all(_is_int(word) and 0 <= word < 2**32 for word in internal[:624])
+            and _is_int(internal[624]) and 0 <= internal[624] <= 624
+            and (python[2] is None or _is_number(python[2]))):
+        raise DamagedCheckpoint(f"{where}/python: the checkpoint holds {_shown(python)} that random.setstate "
+                                "cannot take; expected (3, 624 32-bit words and a position <= 624, None or a number)")
+    numpy = state["numpy"]
+    key = numpy.get("key") if isinstance(numpy, dict) else None
+    if not (isinstance(key, torch.Tensor) and key.dtype == torch.int64 and key.shape == (624,)
+            and bool(((key >= 0) & (key < 2**32)).all()) and _is_int(numpy.get("pos"))
+            and 0 <= numpy["pos"] <= 624 and numpy.get("has_gauss") in (0, 1) and _is_int(numpy["has_gauss"])
+            and _is_number(numpy.get("gauss"))):
+        raise DamagedCheckpoint(f"{where}/numpy: the checkpoint holds {_shown(numpy)} that is not an MT19937 state; "
+                                "expected key (624 32-bit words as int64), pos (0 to 624), has_gauss (0 or 1), gauss")
+    _check_generator_state(state["torch"], f"{where}/torch", torch.Generator())
+    cuda = state.get("cuda", [])
+    if not isinstance(cuda, (list, tuple)):
+        raise DamagedCheckpoint(f"{where}/cuda: the checkpoint holds {_shown(cuda)}; expected a list of CUDA RNG "
+                                "states, one per device")
+    if torch.cuda.is_available() and len(cuda) > torch.cuda.device_count():
+        raise DamagedCheckpoint(f"{where}/cuda: the checkpoint holds the RNG states of {len(cuda)} CUDA devices; "
+                                f"expected at most the {torch.cuda.device_count()} this machine has")
+    for i, value in enumerate(cuda):
+        generator = torch.Generator(f"cuda:{i}") if torch.cuda.is_available() else None
+        _check_generator_state(value, f"{where}/cuda/{i}", generator)
+
+
+def _check_generator_state(value: Any, at: str, generator: Optional[torch.Generator]) -> None:
+    if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1):
+        raise DamagedCheckpoint(f"{at}: the checkpoint holds {_shown(value)}; expected a torch RNG state (a 1-d "
+                                "uint8 tensor)")
+    if generator is None:
+        return
+    try:
+        generator.set_state(value)
+    except (RuntimeError, TypeError, ValueError) as err:
+        raise DamagedCheckpoint(f"{at}: the checkpoint holds no valid torch RNG state ({str(err).splitlines()[0]}); "
+                                "expected what torch.get_rng_state() returns") from None
+
 # ---------------------------------------------------------------------------------------------- weights
+_CONVERTIBLE = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
+                torch.int64, torch.uint8, torch.bool}
+
+
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
     """Weights for `init_from`: a checkpoint directory, a .safetensors file, or a plain `torch.save`
     state dict (read with weights_only=True: no code runs). A `module.` prefix (DataParallel/DDP) is dropped."""
     if not path.exists():
         raise ConfigError(f"init_from={str(path)!r}: no such file or directory; expected a checkpoint directory, "
                           "a .safetensors file or a torch.save state dict")
+    mode = os.stat(path).st_mode
+    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):  # reading a FIFO would block, a device never end
+        raise ConfigError(f"init_from={str(path)!r}: {_kind(mode)}; expected a checkpoint directory, a "
+                          ".safetensors file or a torch.save state dict")
     if path.is_dir():
         state = open_checkpoint(path).model_state()
     elif path.suffix == ".safetensors":
@@ -449,12 +985,16 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def check_compatible(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str, strict: bool) -> None:
-    """One clear error listing the first missing, unexpected and shape-mismatched keys."""
+    """One clear error listing the first missing, unexpected, shape-mismatched and unconvertible keys
+    (load_state_dict converts between plain number dtypes, not from e.g. float4 or complex)."""
     own = model.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = sorted(k for k in state if k not in own)  # a stable order: safetensors loads keys in none
     mismatched = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in own
                   if k in state and state[k].shape != own[k].shape]
+    unconvertible = [f"{k} {str(state[k].dtype).removeprefix('torch.')} vs {str(own[k].dtype).removeprefix('torch.')}"
+                     for k in own if k in state and state[k].dtype != own[k].dtype
+                     and not {state[k].dtype, own[k].dtype} <= _CONVERTIBLE]
     problems = []
     if missing and strict:
         problems.append(f"missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
@@ -462,6 +1002,8 @@ def check_compatible(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
         problems.append(f"unexpected {', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''}")
     if mismatched:
         problems.append(f"shape mismatch {', '.join(mismatched[:3])}{' ...' if len(mismatched) > 3 else ''}")
+    if unconvertible:
+        problems.append(f"dtype mismatch {', '.join(unconvertible[:3])}{' ...' if len(unconvertible) > 3 else ''}")
     if problems:
         raise ConfigError(f"{source}: its weights do not fit this model ({'; '.join(problems)}); expected a "
                           "checkpoint of the same model config")
@@ -546,8 +1088,9 @@ class CheckpointManager:
 
     def _prune(self, kept: set[str]) -> None:
         """Delete `step-N` folders that no policy keeps any more."""
-        for path in self.folder.glob("step-*"):
-            if path.is_dir() and not path.name.endswith((".tmp", ".old")) and path.name not in kept:
+        for path in self.folder.glob("step-*"):  # never through a link: only folders this run wrote
+            if path.is_dir() and not path.is_symlink() and not path.name.endswith((".tmp", ".old")) \
+                    and path.name not in kept:
                 shutil.rmtree(path, ignore_errors=True)
 
     def best_path(self) -> Optional[Path]:
@@ -557,8 +1100,28 @@ class CheckpointManager:
         return {"periodic": list(self.periodic), "top_k": [[v, n] for v, n in self.top_k]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state_dict(state, "checkpoint state checkpoints")
         self.periodic = list(state.get("periodic", []))
         self.top_k = [(float(v), str(n)) for v, n in state.get("top_k", [])]
+
+    @staticmethod
+    def check_state_dict(state: Any, where: str) -> None:
+        """Raise DamagedCheckpoint (naming `where`/periodic or `where`/top_k/i) unless `state` is what
+        state_dict() returns; for checking a checkpoint before anything is loaded."""
+        if not isinstance(state, dict):
+            raise _mismatch(where, state, {"periodic": [], "top_k": []})
+        periodic, top_k = state.get("periodic", []), state.get("top_k", [])
+        if not isinstance(periodic, list) or not all(isinstance(name, str) for name in periodic):
+            raise DamagedCheckpoint(f"{where}/periodic: the checkpoint holds {_shown(periodic)} that is not a list "
+                                    "of checkpoint names; expected names such as step-500")
+        if not isinstance(top_k, list):
+            raise DamagedCheckpoint(f"{where}/top_k: the checkpoint holds {_shown(top_k)}; expected a list of "
+                                    "[metric value, checkpoint name]")
+        for i, item in enumerate(top_k):
+            if not (isinstance(item, (list, tuple)) and len(item) == 2 and _is_number(item[0])
+                    and isinstance(item[1], str)):
+                raise DamagedCheckpoint(f"{where}/top_k/{i}: the checkpoint holds {_shown(item)}; expected [metric "
+                                        "value, checkpoint name]")
 
 
 # ---------------------------------------------------------------------------------------------- signals

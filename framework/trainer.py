@@ -19,7 +19,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from framework import reproducibility
-from framework.checkpoint import Checkpoint, CheckpointManager, SignalWatch, check_compatible, load_weights
+from framework.checkpoint import (Checkpoint, CheckpointManager, DamagedCheckpoint, SignalWatch, check_compatible,
+                                  load_weights, validate_rng_state, validate_state)
 from framework.data import DataModule
 from framework.errors import ConfigError, Interrupted, UserError
 from framework.instantiate import build
@@ -252,20 +253,46 @@ class Trainer:
         except Exception as err:  # noqa: BLE001
             log.error("A checkpoint save failed: %s: %s", type(err).__name__, err)
 
+    def _check_state(self, state: dict[str, Any], where: str, load_scheduler: bool) -> Optional[dict[str, Any]]:
+        """Every part of a checkpoint's state against the live component it is for, before any is loaded, so
+        a damaged or foreign checkpoint is one error and never a half-restored run. Returns this rank's RNG."""
+        parts = ("optimizer", "scheduler", "precision", "checkpoints", "loop", "metrics", "rng")
+        missing = [k for k in parts if k not in state] if isinstance(state, dict) else list(parts)
+        if missing:
+            raise DamagedCheckpoint(f"{where}: its state lacks {', '.join(missing)}; expected a checkpoint written "
+                                    "by this framework")
+        validate_state(state["optimizer"], self.optimizer.state_dict(), f"{where}: optimizer")
+        if load_scheduler:
+            validate_state(state["scheduler"], self.scheduler.state_dict(), f"{where}: scheduler")
+        live = self.precision.state_dict()
+        validate_state(state["precision"], {**live, "scaler": live["scaler"] if state["precision"].get("scaler") else {}}
+                       if isinstance(state["precision"], dict) else live, f"{where}: precision")
+        CheckpointManager.check_state_dict(state["checkpoints"], f"{where}: checkpoints")
+        validate_state(state["loop"], {"step": 0, "epoch": 0, "batch_in_epoch": 0, "last_val_step": -1,
+                                       "window_first_step": 0, "losses": torch.zeros(0)}, f"{where}: loop")
+        validate_state(state["metrics"], {}, f"{where}: metrics")
+        if not isinstance(state["rng"], dict) or "rank0" not in state["rng"]:
+            raise DamagedCheckpoint(f"{where}: its state has no rng/rank0; expected every rank's RNG state")
+        rng = state["rng"].get(f"rank{self.strategy.rank}", state["rng"]["rank0"])
+        validate_rng_state(rng, f"{where}: rng/rank{self.strategy.rank}")
+        return rng
+
     def _restore(self, checkpoint: Checkpoint) -> None:
         model = self.strategy.unwrap(self.task.model)
         weights = checkpoint.model_state()
         check_compatible(model, weights, f"resume={str(checkpoint.path)!r}", strict=True)
-        model.load_state_dict(weights)
         state = checkpoint.state()
-        configured = [dict(group) for group in self.optimizer.param_groups]  # from this run's config
-        self.optimizer.load_state_dict(state["optimizer"])
         saved_cfg = checkpoint.meta["config"]
         same_schedule = (saved_cfg.get("scheduler") or {}).get("_target_") == self.cfg.scheduler.get("_target_")
+        load_scheduler = same_schedule and self.scheduler is not None and bool(state.get("scheduler"))
+        rng = self._check_state(state, f"checkpoint {checkpoint.path}", load_scheduler)
+        model.load_state_dict(weights)
+        configured = [dict(group) for group in self.optimizer.param_groups]  # from this run's config
+        self.optimizer.load_state_dict(state["optimizer"])
         if not same_schedule:  # scheduler= changed on resume: the new schedule starts here, from its start
             for group, fresh in zip(self.optimizer.param_groups, configured):
                 group.update({k: fresh[k] for k in ("lr", "initial_lr") if k in fresh})
-        elif self.scheduler is not None and state["scheduler"]:
+        elif load_scheduler:
             self.scheduler.load_state_dict(state["scheduler"])
         self.precision.load_state_dict(state["precision"])
         self.checkpoints.load_state_dict(state["checkpoints"])
@@ -277,11 +304,9 @@ class Trainer:
         self._losses = list(loop["losses"].to(self.device).unbind())
         self.metrics = dict(state["metrics"])
         self._saved_step = self.step
-        rng = state["rng"].get(f"rank{self.strategy.rank}")
-        if rng is None:
+        if f"rank{self.strategy.rank}" not in state["rng"]:
             log.warning("resume: the checkpoint has no RNG state for rank %d (it ran with %d processes); "
                         "random streams restart from rank 0's", self.strategy.rank, len(state["rng"]))
-            rng = state["rng"]["rank0"]
         reproducibility.set_rng_state(rng)  # last: building the components above drew random numbers
         if self.strategy.is_rank_zero:
             log.info("Resumed from %s at step %d (epoch %d, batch %d)", checkpoint.path, self.step, self.epoch,
