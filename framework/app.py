@@ -108,8 +108,9 @@ def _discard_attempt(started: bool) -> None:
 def _run(cfg: DictConfig, started: Optional[list] = None) -> Optional[float]:
     """Validate, settle the config (a resumed run's is its checkpoint's), lock the run directory, train.
     `started` gets an item once training is handed over (a later failure is no longer "refused at start")."""
-    resolve_all(cfg)
-    config.validate(cfg)
+    if not cfg.resume:  # a resumed run's values come from its checkpoint: checked once merged, below
+        resolve_all(cfg)
+        config.validate(cfg)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     overrides = list(hydra_cfg.overrides.task)
@@ -127,6 +128,7 @@ def _run(cfg: DictConfig, started: Optional[list] = None) -> Optional[float]:
             if not cfg.trust_saved_config:
                 resume.check_saved_targets(cfg, trusted, Path(hydra_cfg.runtime.cwd),
                                            f"the config saved in {checkpoint.path}")
+        if cfg.resume:
             resolve_all(cfg)
             config.validate(cfg)
         check_paths(cfg)

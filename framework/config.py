@@ -1,7 +1,8 @@
 """Structured-config schemas for the groups whose shape the framework owns.
 
 Registered with Hydra's ConfigStore so a typo or a wrong type is rejected while the config is composed,
-before anything runs. Group YAML files start with `defaults: [schema, _self_]` to pick these up.
+before anything runs. Group YAML files start with `defaults: [/trainer_schema, _self_]` (and so on) to pick these
+up; the schemas sit at the root of the store, so `--help` lists no `schema` option.
 What a type cannot express (the valid range of every value, checks across fields, the DataModule's counts,
 the hardware a setting names) lives in `validate()`, called once by the app before anything is built.
 """

@@ -1,0 +1,201 @@
+"""The command line's edge: a mistake Hydra finds while composing the config, reported in one line.
+
+Hydra reports a bad override, an unknown option, a YAML syntax error or a run directory it cannot make in
+several lines of its own (or as a traceback) and exits. `run(main)` asks Hydra to raise them instead
+(HYDRA_FULL_ERROR=1, marked as forced so `framework.app` still reports our own `UserError`s in one line)
+and prints each as one `Error: ...` line, exit code 1. Anything raised by our own code is a bug and keeps
+its traceback. A user's own HYDRA_FULL_ERROR=1 leaves Hydra's reports and tracebacks untouched.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+import re
+import sys
+import typing
+from enum import Enum
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import yaml
+from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from framework.config import CLOSED_GROUPS, suggest_key
+from framework.errors import FORCED_FULL_ERROR, full_error
+
+_FRAMEWORK_DIR = str(Path(__file__).resolve().parent) + os.sep
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def run(main: Callable[[], Any]) -> None:
+    """Call the `@hydra.main` function; a compose-time mistake ends the process with one line and exit 1."""
+    if full_error():  # the user asked for Hydra's full report
+        main()
+        return
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its own report
+    os.environ[FORCED_FULL_ERROR] = "1"
+    try:
+        main()
+    except Exception as err:  # noqa: BLE001  (re-raised unless it is a user's mistake Hydra found)
+        message = describe(err, sys.argv[1:], inspect.unwrap(main))
+        if message is None:
+            raise
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: rank 0 says it once
+            # Written directly: Hydra may have configured logging (its own format, on stdout) or not at all.
+            sys.stderr.write(f"Error: {message}\n")
+        sys.exit(1)
+
+
+def describe(err: Exception, args: Sequence[str], task: Optional[Callable[..., Any]] = None) -> Optional[str]:
+    """One line for a mistake Hydra, OmegaConf or YAML found before our code ran; None for anything else
+    (`args`: the command line's arguments, to quote an override as it was typed; `task`: the job function)."""
+    if _raised_by_us(err, task):
+        return None
+    if isinstance(err, OverrideParseException):
+        return (f"{err.override}: malformed override ({err.message.splitlines()[0]}); expected key=value, "
+                "with lists as [a,b] and quotes around text with special characters: key='a,b'")
+    if isinstance(err, MissingConfigException) and err.options is not None:
+        return _unknown_option(err, args)
+    if isinstance(err, yaml.MarkedYAMLError) and err.problem_mark is not None:
+        return _yaml_error(err)
+    cause = err.__cause__ or err.__context__
+    if isinstance(err, ConfigCompositionException) and isinstance(cause, OmegaConfBaseException):
+        source = re.match(r"In '([^']+)'", str(err))
+        return _omegaconf_error(cause, args, source.group(1) if source else None)
+    if isinstance(err, OmegaConfBaseException):
+        return _omegaconf_error(err, args, None)
+    if isinstance(err, (HydraException, yaml.YAMLError)):
+        return _one_line(str(err))
+    os_error = next((e for e in _chain(err) if isinstance(e, OSError)), None)
+    if os_error is not None:
+        return _run_dir_error(os_error, args)
+    return None
+
+
+def _chain(err: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: Optional[BaseException] = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _raised_by_us(err: BaseException, task: Optional[Callable[..., Any]]) -> bool:
+    """Did our code (the job, a resolver, a callback) raise it, or a cause of it? Then it is a bug, not
+    Hydra's report of a user's mistake (the job's own user errors were already reported by framework.app)."""
+    task_code = getattr(task, "__code__", None)
+    for e in _chain(err):
+        tb: Optional[TracebackType] = e.__traceback__
+        while tb is not None:
+            code = tb.tb_frame.f_code
+            if code is task_code or (code.co_filename.startswith(_FRAMEWORK_DIR) and code.co_filename != __file__):
+                return True
+            tb = tb.tb_next
+    return False
+
+
+def _typed(args: Sequence[str], key: str) -> Optional[str]:
+    """The override setting `key` (or a key under it), as it was typed."""
+    for arg in args:
+        name = arg.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+        if "=" in arg and (name == key or name.startswith(f"{key}.")):
+            return arg
+    return None
+
+
+def _one_line(text: str) -> str:
+    """Hydra's multi-line message, joined; the config search path it lists is noise to a user."""
+    lines = []
+    for line in text.splitlines():
+        if line.strip().startswith(("Config search path", "Search path")):
+            break
+        if line.strip():
+            lines.append(line.strip().rstrip("."))
+    return "; ".join(lines)
+
+
+def _closest(word: str, options: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    return f"did you mean '{close[0]}'? " if close else ""
+
+
+def _unknown_option(err: MissingConfigException, args: Sequence[str]) -> str:
+    group, _, option = str(err.missing_cfg_file).rpartition("/")
+    options = sorted(err.options or [])
+    source = re.match(r"In '([^']+)'", str(err))
+    typed = _typed(args, group) or f"{group}={option}" + (f" (in '{source.group(1)}')" if source else "")
+    return (f"{typed}: no such option in group '{group}'; {_closest(option, options)}"
+            f"expected one of: {', '.join(options)}")
+
+
+def _yaml_error(err: yaml.MarkedYAMLError) -> str:
+    mark = err.problem_mark
+    path = Path(mark.name)
+    if path.is_absolute() and path.is_relative_to(Path.cwd()):
+        path = path.relative_to(Path.cwd())
+    context = ""
+    if err.context and err.context_mark is not None:
+        context = f"; {err.context} at line {err.context_mark.line + 1}"
+    return f"{path} line {mark.line + 1}: invalid YAML ({err.problem}{context})"
+
+
+def _omegaconf_error(err: OmegaConfBaseException, args: Sequence[str], source: Optional[str]) -> str:
+    full_key = str(err.full_key or err.key or "")
+    typed = _typed(args, full_key) if full_key else None
+    where = f" (in '{source}')" if source else ""
+    if type(err) in (ConfigAttributeError, ConfigKeyError) and full_key:
+        return _unknown_key(err, full_key, typed, typed or f"{full_key}{where}")
+    if isinstance(err, ValidationError) and full_key:
+        return f"{full_key}={err.value!r}{where}: {_expected(err)}"
+    first = str(err.msg or err).splitlines()[0]
+    return f"{typed or full_key}{where}: {first}" if full_key else first
+
+
+def _unknown_key(err: OmegaConfBaseException, full_key: str, typed: Optional[str], shown: str) -> str:
+    group, _, name = full_key.rpartition(".")
+    parent = err.parent_node
+    keys = sorted(str(k) for k in parent.keys() if k != "hydra") if isinstance(parent, DictConfig) else []
+    top = group.split(".")[0]
+    closed = top in ("", "hydra", *CLOSED_GROUPS)  # keys the framework (or Hydra) defines: `+` cannot add one
+    if closed and top != "hydra":
+        hint = suggest_key(full_key)  # knows Lightning's names: check_val_every_n_epoch -> val_every_n_epochs
+    else:
+        close = difflib.get_close_matches(name, keys, n=1, cutoff=0.6)
+        hint = (f"{group}.{close[0]}" if group else close[0]) if close else None
+    owner = f"{group} has no key '{name}'" if group else f"no config group or key '{name}'"
+    did_you_mean = f"did you mean '{hint}'? " if hint else ""
+    add = f" (or add it as a new key: +{typed})" if typed and not closed else ""
+    return f"{shown}: {owner}; {did_you_mean}expected one of: {', '.join(keys)}{add}"
+
+
+def _expected(err: ValidationError) -> str:
+    """What the schema's field takes, in words (`an integer`, `one of: fp32, amp`), after the closest choice."""
+    try:
+        kind = typing.get_type_hints(err.object_type)[str(err.key)]
+    except Exception:  # noqa: BLE001  (not a dataclass field: OmegaConf's own words)
+        return str(err.msg or err).splitlines()[0]
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        return f"{_closest(str(err.value), [m.name for m in kind])}expected {_type_words(kind)}"
+    return f"expected {_type_words(kind)}"
+
+
+def _type_words(kind: Any) -> str:
+    if kind in _TYPE_WORDS:
+        return _TYPE_WORDS[kind]
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        return "one of: " + ", ".join(m.name for m in kind)
+    if typing.get_origin(kind) is typing.Union:
+        return " or ".join("null" if a is type(None) else _type_words(a) for a in typing.get_args(kind))
+    return f"a value of type {getattr(kind, '__name__', kind)}"
+
+
+def _run_dir_error(err: OSError, args: Sequence[str]) -> str:
+    key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(args) else "hydra.run.dir"
+    typed = _typed(args, key) or key
+    return (f"{typed}: cannot create or write the run directory: {err.strerror or err} ('{err.filename}'); "
+            f"expected a directory you can write to: set {key}=PATH")
