@@ -99,6 +99,7 @@ class ProgressBar:
 
 def write_json(path: Path, data: Mapping[str, Any]) -> None:
     """Atomic: a reader (or a crash) never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         json.dump(data, f, indent=2, sort_keys=False)
