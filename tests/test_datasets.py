@@ -5,17 +5,14 @@ error messages and a whole training run."""
 from __future__ import annotations
 
 import json
-import pickle
-import struct
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from conftest import output, run_cli
+from conftest import make_cifar10, make_image_folder, make_mnist, output, run_cli, write_idx
 from experiments.datasets import digits
 from framework.data import DataModule
 from framework.errors import ConfigError
@@ -27,63 +24,6 @@ QUICK = ("data.num_workers=0", "data.persistent_workers=false", "data.pin_memory
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
-def write_idx(path: Path, array: np.ndarray) -> None:
-    """A uint8 idx file as MNIST ships it: big-endian magic 0x0803 (images) or 0x0801 (labels), dims, bytes."""
-    assert array.dtype == np.uint8
-    magic = {3: 2051, 1: 2049}[array.ndim]
-    path.write_bytes(struct.pack(f">{1 + array.ndim}I", magic, *array.shape) + array.tobytes())
-
-
-def make_mnist(root: Path, n_train: int = 40, n_test: int = 20) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Uncompressed idx files in <root>/MNIST/raw; returns {"train"|"test": (images, labels)} as written."""
-    raw = root / "MNIST" / "raw"
-    raw.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    arrays = {}
-    for split, prefix, n in (("train", "train", n_train), ("test", "t10k", n_test)):
-        images = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
-        labels = (np.arange(n) % 10).astype(np.uint8)
-        write_idx(raw / f"{prefix}-images-idx3-ubyte", images)
-        write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)
-        arrays[split] = images, labels
-    return arrays
-
-
-def make_cifar10(root: Path, per_batch: int = 8) -> dict[str, tuple[np.ndarray, list[int]]]:
-    """The python version's pickles in <root>/cifar-10-batches-py: rows of 3072 bytes, R then G then B planes.
-
-    The official files are Python 2 pickles whose keys load as `str` under the `encoding="latin1"` that
-    torchvision uses (CIFAR's page writes b"data" because it loads them with encoding="bytes")."""
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(1)
-    batches = {}
-    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        data = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
-        labels = [int(v) for v in rng.integers(0, 10, per_batch)]
-        entry = {"batch_label": name, "labels": labels, "data": data,
-                 "filenames": [f"{name}_{i}.png" for i in range(per_batch)]}
-        (folder / name).write_bytes(pickle.dumps(entry, protocol=2))
-        batches[name] = data, labels
-    meta = {"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
-                            "truck"], "num_cases_per_batch": per_batch, "num_vis": 3072}
-    (folder / "batches.meta").write_bytes(pickle.dumps(meta, protocol=2))
-    return batches
-
-
-def make_image_folder(root: Path, classes: dict[str, tuple[str, ...]], per_class: int = 3) -> None:
-    """PNGs of mixed sizes and modes in <root>/<split>/<class>/, the layout torchvision's ImageFolder reads."""
-    rng = np.random.default_rng(2)
-    for split, names in classes.items():
-        for name in names:
-            folder = root / split / name
-            folder.mkdir(parents=True)
-            for i in range(per_class):
-                pixels = rng.integers(0, 256, (20 + i, 30, 3), dtype=np.uint8)
-                image = Image.fromarray(pixels)
-                (image.convert("L") if i == 0 else image).save(folder / f"{i}.png")
-
-
 def first_batch(data: DataModule, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The first batch as a run would get it (through the DataModule's loader, not dataset indexing)."""
     data.setup(seed=0)

@@ -1,0 +1,37 @@
+"""Interrupts a run at a chosen optimizer step, for the resume tests; not part of the framework.
+
+Python's `site` imports `sitecustomize` at interpreter start-up from the first sys.path entry that has
+one, so a test puts this folder on PYTHONPATH for the one run it wants interrupted (and, through the
+inherited environment, for that run's spawned DDP workers). Nothing else in the environment has a
+`sitecustomize` (test_resume_matrix checks), so none is shadowed. Without $KILL_AT_STEP it does nothing,
+not even import torch.
+
+With $KILL_AT_STEP=N and $KILL_SIGNAL=SIGTERM|SIGKILL, torch's global optimizer-step post hook counts the
+optimizer steps actually taken and, right after the N-th, sends the signal: whatever the task, model,
+optimizer or precision of the run, the interruption comes at the same point of training every time.
+"""
+import os
+import signal
+
+
+def _kill_after_step(at_step: int, signum: signal.Signals) -> None:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    steps = 0
+
+    def after_optimizer_step(optimizer, args, kwargs) -> None:
+        nonlocal steps
+        steps += 1
+        rank = os.environ.get("RANK")  # set in DDP workers only (by the spawning parent, or torchrun)
+        if steps != at_step or rank not in (None, "0"):
+            return
+        # A DDP worker's SIGTERM goes to its parent, which forwards it to every worker as it would a user's;
+        # SIGKILL goes to this process: rank 0 dies, and the parent must end the other workers.
+        to_parent = rank is not None and signum == signal.SIGTERM
+        os.kill(os.getppid() if to_parent else os.getpid(), signum)
+
+    register_optimizer_step_post_hook(after_optimizer_step)
+
+
+if os.environ.get("KILL_AT_STEP"):
+    _kill_after_step(int(os.environ["KILL_AT_STEP"]), signal.Signals[os.environ["KILL_SIGNAL"]])
