@@ -120,23 +120,41 @@ def _run(cfg: DictConfig, started: Optional[list] = None) -> Optional[float]:
         raise ConfigError(f"hydra.run.dir={str(run_dir)!r} already holds a run, and a new run never replaces "
                           f"one; expected resume={run_dir} to continue it, or another directory")
     with rundir.RunDirLock(run_dir) if rank_zero else contextlib.nullcontext():
+        from framework.checkpoint import DamagedCheckpoint  # torch: imported once the config is known good
+
+        fresh, fresh_choices = cfg, choices
         checkpoint = resume.find_checkpoint(cfg.resume, run_dir)
-        if checkpoint is not None:
-            trusted = resume.conf_targets(_conf_dirs(hydra_cfg)) | {
-                t for _, t in resume.targets(OmegaConf.to_container(cfg, resolve=False))}
-            cfg, choices = resume.resumed_config(cfg, checkpoint, choices, overrides)
-            if not cfg.trust_saved_config:
-                resume.check_saved_targets(cfg, trusted, Path(hydra_cfg.runtime.cwd),
-                                           f"the config saved in {checkpoint.path}")
-        if cfg.resume:
-            resolve_all(cfg)
-            config.validate(cfg)
-        check_paths(cfg)
-        params = sweep.hparams(cfg, choices, overrides)
-        if started is not None:
-            started.append(True)
-        summary = launch(cfg, run_dir, checkpoint, params, choices)
+        while True:
+            cfg, choices = _settled(fresh, fresh_choices, checkpoint, overrides, hydra_cfg)
+            params = sweep.hparams(cfg, choices, overrides)
+            if started is not None:
+                started.append(True)
+            try:
+                summary = launch(cfg, run_dir, checkpoint, params, choices)
+                break
+            except DamagedCheckpoint as err:  # its state does not fit the live components: try an older one
+                if checkpoint is None:
+                    raise
+                checkpoint = resume.fall_back(fresh.resume, checkpoint, err)
     return summary.get(cfg.checkpoint.monitor or "val/acc")
+
+
+def _settled(cfg: DictConfig, choices: dict[str, Any], checkpoint: Any, overrides: list[str],
+             hydra_cfg: DictConfig) -> tuple[DictConfig, dict[str, Any]]:
+    """The config the run uses: for a resume, the checkpoint's own, with this command line on top, built only
+    from targets the user's own code names; validated, with its data folder checked."""
+    if checkpoint is not None:
+        trusted = resume.conf_targets(_conf_dirs(hydra_cfg)) | {
+            t for _, t in resume.targets(OmegaConf.to_container(cfg, resolve=False))}
+        cfg, choices = resume.resumed_config(cfg, checkpoint, choices, overrides)
+        if not cfg.trust_saved_config:
+            resume.check_saved_targets(cfg, trusted, Path(hydra_cfg.runtime.cwd),
+                                       f"the config saved in {checkpoint.path}")
+    if cfg.resume:
+        resolve_all(cfg)
+        config.validate(cfg)
+    check_paths(cfg)
+    return cfg, choices
 
 
 def _conf_dirs(hydra_cfg: DictConfig) -> list[Path]:

@@ -731,27 +731,30 @@ def open_checkpoint(path: Path, verify: bool = True) -> Checkpoint:
     return Checkpoint(path, meta, _verify_files(path, meta))
 
 
-def find_latest(run_dir: Path) -> Optional[Checkpoint]:
+def find_latest(run_dir: Path, below_step: Optional[int] = None) -> Optional[Checkpoint]:
     """The newest intact checkpoint of a run. Anything else in `checkpoints/` (a damaged checkpoint, a file,
     a FIFO, a link out of the folder) is skipped with a warning naming it and why, without being opened.
 
     Every meta.json is read, but data files are hashed newest first and only until one is intact: a run that
     keeps every periodic checkpoint does not re-read all of them to resume from the last. A checkpoint that
-    disappears while being read (a run still saving into this folder replaced it) makes discovery look again."""
+    disappears while being read (a run still saving into this folder replaced it) makes discovery look again.
+    `below_step`: only checkpoints of an earlier step (the fallback when a newer one failed to restore)."""
     for _ in range(3):
-        found, vanished = _newest_intact(run_dir / "checkpoints")
+        found, vanished = _newest_intact(run_dir / "checkpoints", below_step)
         if found is not None or not vanished:
             return found
     return None
 
 
-def _newest_intact(folder: Path) -> tuple[Optional[Checkpoint], bool]:
+def _newest_intact(folder: Path, below_step: Optional[int] = None) -> tuple[Optional[Checkpoint], bool]:
     described, vanished = [], False
     for path in _candidates(folder):
         try:
             described.append(open_checkpoint(path, verify=False))
         except DamagedCheckpoint as err:
             vanished |= _skip(path, err)
+    if below_step is not None:
+        described = [c for c in described if c.step < below_step]
     # Newest step first; at equal steps any copy will do (last and step-N hold the same state).
     for checkpoint in sorted(described, key=lambda c: (c.step, c.path.name == "last"), reverse=True):
         try:

@@ -171,6 +171,27 @@ def build_optimizer(node: DictConfig, model: nn.Module) -> tuple[torch.optim.Opt
     return optimizer, frozen
 
 
+# Per-parameter state that torch's optimizers keep in the parameter's own shape (SGD, Adam(W), RMSprop,
+# Adagrad, Adadelta, ASGD, Rprop, NAdam, RAdam, Adamax): a saved one of another shape is not this model's.
+PARAM_SHAPED_STATE = {"momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta",
+                      "sum", "grad_avg", "ax", "prev", "step_size", "exp_inf"}
+
+
+def check_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimizer, where: str) -> Optional[str]:
+    """What is wrong with a saved optimizer state's per-parameter tensors for `optimizer`'s parameters (a fresh
+    optimizer has none to compare with), or None."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, entry in (saved.get("state") or {}).items():
+        if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(entry, dict):
+            return f"{where}/state/{index}: no parameter {index} in this run's {len(params)}"
+        for name, value in entry.items():
+            if name in PARAM_SHAPED_STATE and isinstance(value, torch.Tensor) and value.dim() > 0 \
+                    and value.shape != params[index].shape:
+                return (f"{where}/state/{index}/{name}: the checkpoint holds shape {tuple(value.shape)}, expected "
+                        f"{tuple(params[index].shape)} as the parameter it is for")
+    return None
+
+
 def changed_options(saved: dict[str, Any], current: DictConfig) -> set[str]:
     """The optimizer options this config sets differently from the run's saved one (`{"*"}`: the parameter
     group rules changed, so every option may have)."""

@@ -115,6 +115,22 @@ def find_checkpoint(resume: Optional[str], run_dir: Path) -> Optional[Any]:
     return found
 
 
+def fall_back(resume: Optional[str], failed: Any, err: Exception) -> Any:
+    """The checkpoint to try after `failed` could not be restored (its state does not fit this run's
+    components): for resume=RUN_DIR or auto, the newest intact one of an earlier step; a checkpoint named
+    explicitly is the user's choice, and its error stands."""
+    from framework.checkpoint import find_latest
+
+    if resume not in (AUTO, None) and _is_checkpoint(Path(resume)):
+        raise err
+    log.warning("Skipping a damaged checkpoint: %s", err)
+    older = find_latest(failed.path.parent.parent, below_step=failed.step)
+    if older is None:
+        raise ConfigError(f"resume={resume!r}: no intact checkpoint left before step {failed.step} ({err}); "
+                          "expected a run with a checkpoint this version can restore") from None
+    return older
+
+
 # ---------------------------------------------------------------------------------------------- argv
 def _read_meta(path: Path) -> Optional[dict[str, Any]]:
     """A checkpoint's meta.json as a dict, or None: only a regular file of sane size is read (never a FIFO)."""

@@ -26,8 +26,8 @@ from framework.errors import ConfigError, Interrupted, UserError
 from framework.instantiate import build
 from framework.loggers import ProgressBar, TensorBoardLogger, print_summary, write_json
 from framework.model_summary import summarize
-from framework.optim import (apply_changed_options, build_optimizer, build_scheduler, changed_options, describe_groups,
-                             format_groups, group_names, lr_plan)
+from framework.optim import (apply_changed_options, build_optimizer, build_scheduler, changed_options,
+                             check_optimizer_state, describe_groups, format_groups, group_names, lr_plan)
 from framework.parallel import build_strategy
 from framework.precision import Precision
 from framework.task import Task
@@ -262,6 +262,9 @@ class Trainer:
             raise DamagedCheckpoint(f"{where}: its state lacks {', '.join(missing)}; expected a checkpoint written "
                                     "by this framework")
         validate_state(state["optimizer"], self.optimizer.state_dict(), f"{where}: optimizer")
+        problem = check_optimizer_state(state["optimizer"], self.optimizer, f"{where}: optimizer")
+        if problem is not None:
+            raise DamagedCheckpoint(problem)
         if load_scheduler:
             validate_state(state["scheduler"], self.scheduler.state_dict(), f"{where}: scheduler")
         live = self.precision.state_dict()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -126,8 +127,6 @@ def warmup_run(tmp_path_factory) -> Path:
 
 
 def copy_of(run_dir: Path, tmp_path: Path) -> Path:
-    import shutil
-
     return Path(shutil.copytree(run_dir, tmp_path / "run"))
 
 
@@ -256,3 +255,26 @@ def test_an_interpolation_inside_a_saved_config_stays_text(warmup_run, tmp_path)
     proc = run_cli(None, f"resume={run_dir}", "trainer.max_steps=16", fast=False)
     assert proc.returncode == 0, output(proc)
     assert saved_config(run_dir)["name"] == "${oc.env:HOME}"
+
+
+def test_a_checkpoint_whose_state_does_not_fit_the_run_is_skipped_for_an_older_one(tmp_path):
+    """Intact files (their checksums match) whose optimizer state has the wrong shape: resume=RUN_DIR names it,
+    skips it and resumes from the newest checkpoint that restores; named explicitly, it is one error."""
+    from framework.checkpoint import open_checkpoint, write_checkpoint
+
+    run_dir = tmp_path / "run"
+    assert run_cli(run_dir, *SHORT, "checkpoint.every_n_steps=4", "checkpoint.keep_last=-1").returncode == 0
+    newest = open_checkpoint(run_dir / "checkpoints" / "step-12")
+    state, weights = newest.state(), {k: v.clone() for k, v in newest.model_state().items()}
+    momentum = state["optimizer"]["state"][0]["momentum_buffer"]
+    state["optimizer"]["state"][0]["momentum_buffer"] = momentum.flatten()[:3].clone()
+    meta = {k: v for k, v in newest.meta.items() if k not in ("format_version", "structure", "checksums")}
+    for name in ("step-12", "last"):
+        shutil.rmtree(run_dir / "checkpoints" / name)
+        write_checkpoint(run_dir / "checkpoints" / name, weights, state, meta)
+    line = one_error_line(run_cli(tmp_path / "new", f"resume={run_dir / 'checkpoints' / 'last'}", fast=False))
+    assert "optimizer/state/0/momentum_buffer: the checkpoint holds shape (3,)" in line
+    proc = run_cli(None, f"resume={run_dir}", "trainer.max_steps=16", fast=False)
+    assert proc.returncode == 0, output(proc)
+    assert "Skipping a damaged checkpoint" in output(proc) and "optimizer/state/0/momentum_buffer" in output(proc)
+    assert "at step 8 (" in output(proc)
