@@ -203,7 +203,7 @@ def check_closed_keys(cfg: DictConfig) -> None:
                 key = f"{group}.{name}" if group else str(name)
                 hint = suggest_key(key)
                 raise ConfigError(f"{key}={node._get_node(name)._value()!r}: {group or 'the root config'} has no "
-                                  f"key '{name}'; {f'did you mean {hint}? ' if hint else ''}expected one of: "
+                                  f"key '{name}'; {f'did you mean {hint!r}? ' if hint else ''}expected one of: "
                                   f"{', '.join(sorted(known))}")
 
 

@@ -19,8 +19,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from framework import reproducibility
-from framework.checkpoint import (Checkpoint, CheckpointManager, DamagedCheckpoint, SignalWatch, check_compatible,
-                                  load_weights, validate_rng_state, validate_state)
+from framework.checkpoint import (Checkpoint, CheckpointManager, CheckpointSaveError, DamagedCheckpoint, SignalWatch,
+                                  check_compatible, load_weights, validate_rng_state, validate_state)
 from framework.data import DataModule
 from framework.errors import ConfigError, Interrupted, UserError
 from framework.instantiate import build
@@ -178,7 +178,7 @@ class Trainer:
             finished = True
         except BaseException as err:
             finished = isinstance(err, Interrupted)  # a signal stop is agreed by every rank: still in step
-            self._finish_saves()
+            self._finish_saves(err)
             raise
         finally:
             self.bar.close()
@@ -245,13 +245,17 @@ class Trainer:
                 "choices": {g: o for g, o in self.choices.items() if not g.startswith("hydra")}}
         self.checkpoints.writer.write(path, self.strategy.unwrap(self.task.model).state_dict(), state, meta)
 
-    def _finish_saves(self) -> None:
+    def _finish_saves(self, ending: BaseException) -> None:
         """On the way out of a failed run: a save still in flight is an intact checkpoint once finished
-        (a failure of its own is logged, not raised over the error that ends the run)."""
+        (a failure of its own is logged, not raised over the error that ends the run; when that error is a
+        failed save too, the run's one error line already says so)."""
         try:
             self.checkpoints.writer.close()
         except Exception as err:  # noqa: BLE001
-            log.error("A checkpoint save failed: %s: %s", type(err).__name__, err)
+            if isinstance(ending, CheckpointSaveError) and isinstance(err, CheckpointSaveError):
+                log.debug("A later checkpoint save failed too: %s", err)
+            else:
+                log.error("A checkpoint save failed: %s: %s", type(err).__name__, err)
 
     def _check_state(self, state: dict[str, Any], where: str, load_scheduler: bool) -> Optional[dict[str, Any]]:
         """Every part of a checkpoint's state against the live component it is for, before any is loaded, so
