@@ -106,6 +106,10 @@ class Trainer:
         self.steps_per_epoch = math.ceil(self.train_batches / self.accumulate)
         self.scheduler = build_scheduler(cfg.scheduler, self.optimizer, max_steps=self.max_steps,
                                          max_epochs=self.max_epochs, steps_per_epoch=self.steps_per_epoch)
+        if self.scheduler is not None and self.scheduler.monitor is not None and not self.data.has("val"):
+            raise ConfigError(f"scheduler.monitor={self.scheduler.monitor!r}: this run has no validation split "
+                              "(data.val is null), so the metric never exists; expected a data.val split, or a "
+                              "scheduler that monitors nothing (scheduler.monitor=null)")
         self.precision = Precision(cfg.precision.mode.value, self.device)
         self.params = [p for p in self.task.parameters() if p.requires_grad]
         if t.compile:
@@ -161,6 +165,7 @@ class Trainer:
                         val = None
                         if self.data.has("val") and self.epoch % self.cfg.trainer.val_every_n_epochs == 0:
                             val = self._validate()
+                        self._epoch_scheduler_step(val)
                         periodic = self.checkpoints.due_periodic(self.step, completed_epochs=self.epoch)
                         self.checkpoints.save(self.step, self._write_checkpoint, periodic=periodic, metrics=val)
             self._flush_train_log()
@@ -478,16 +483,20 @@ class Trainer:
             best = self.metrics.get(f"best/{name}", value)
             self.metrics[f"best/{name}"] = min(best, value) if "loss" in name else max(best, value)
         self._last_val_step = self.step
-        s = self.scheduler
-        if s is not None and s.interval == "epoch" and self.epoch % s.frequency == 0:
-            if s.monitor is None:
-                s.scheduler.step()
-            elif s.monitor not in metrics:
-                raise ConfigError(f"scheduler.monitor={s.monitor!r}: no such metric; expected one of "
-                                  f"{', '.join(metrics)}")
-            else:
-                s.scheduler.step(metrics[s.monitor])
         return metrics
+
+    def _epoch_scheduler_step(self, val: Optional[dict[str, float]]) -> None:
+        """The one place an epoch scheduler steps: once per completed epoch (every `frequency`), whether or not
+        validation ran; one that monitors a metric steps only after the validation that produced it."""
+        s = self.scheduler
+        if s is None or s.interval != "epoch" or self.epoch % s.frequency != 0:
+            return
+        if s.monitor is None:
+            s.scheduler.step()
+        elif val is not None:
+            if s.monitor not in val:
+                raise ConfigError(f"scheduler.monitor={s.monitor!r}: no such metric; expected one of {', '.join(val)}")
+            s.scheduler.step(val[s.monitor])
 
     @torch.no_grad()
     def _evaluate(self, split: str) -> dict[str, float]:

@@ -248,3 +248,43 @@ def test_resnet18_finetune_preset_puts_the_head_at_ten_times_the_backbone_lr(com
     assert g["head"]["params"] == ["fc.weight"] and g["head_no_decay"]["params"] == ["fc.bias"]
     assert g["head"]["lr"] == pytest.approx(10 * g["default"]["lr"])
     assert g["no_decay"]["weight_decay"] == 0 and "bn1.weight" in g["no_decay"]["params"]
+
+
+# ---------------------------------------------------------------------------------------------- epoch schedulers
+def epoch_presets() -> list[str]:
+    """Every scheduler option in conf/ that steps per epoch on a plan (no monitored metric)."""
+    from conftest import CONF
+
+    presets = []
+    for path in sorted((CONF / "scheduler").glob("*.yaml")):
+        node = OmegaConf.load(path)
+        if node.get("interval") == "epoch" and node.get("monitor") is None and node.get("_target_"):
+            presets.append(path.stem)
+    return presets
+
+
+@pytest.mark.parametrize("preset", epoch_presets())
+@pytest.mark.parametrize("validation", ["every epoch", "every second epoch", "no val split"])
+def test_an_epoch_scheduler_follows_its_plan_whatever_the_validation_cadence(compose, tmp_path, preset, validation):
+    """Stepped once per completed epoch, not inside validation: with StepLR(step_size=1, gamma=0.5) over 4 epochs
+    the LR used to end at 0.00625, 0.025 or 0.1 depending on how often validation ran."""
+    cadence = {"every epoch": ("trainer.val_every_n_epochs=1",), "every second epoch": ("trainer.val_every_n_epochs=2",),
+               "no val split": ("data.val=null",)}[validation]
+    shape = ("scheduler.step_size=1", "scheduler.gamma=0.5") if preset == "step" else \
+        ("scheduler.milestones=[1,3]",) if preset == "multistep" else ()
+    cfg = compose(f"scheduler={preset}", *shape, *cadence, "trainer.max_epochs=4", "trainer.limit_train_batches=2",
+                  "trainer.log_every_n_steps=1", "trainer.test=false", "checkpoint=none", "logger.progress_bar=false")
+    Trainer(cfg, tmp_path).fit()
+    scalars = read_scalars(tmp_path)
+    plan = dict(scalars["lr_plan/default"])
+    used = scalars["lr/default"]
+    assert [step for step, _ in used] == list(range(1, 9))
+    for step, lr in used:  # during epoch e (2 steps each), the LR after e scheduler steps
+        assert lr == pytest.approx(plan[(step - 1) // 2 * 2], rel=1e-6), (step, lr, plan)
+    if preset == "step":
+        assert used[-1][1] == pytest.approx(0.1 * 0.5 ** 3)
+
+
+def test_a_monitored_scheduler_without_a_val_split_is_refused_at_start(compose, tmp_path):
+    with pytest.raises(ConfigError, match=r"scheduler.monitor='val/loss': this run has no validation split"):
+        Trainer(compose("scheduler=plateau", "data.val=null", "checkpoint=none"), tmp_path)
