@@ -999,14 +999,10 @@ def check_compatible(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
                      for k in own if k in state and state[k].dtype != own[k].dtype
                      and not {state[k].dtype, own[k].dtype} <= _CONVERTIBLE]
     problems = []
-    if missing and strict:
-        problems.append(f"missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
-    if unexpected and strict:
-        problems.append(f"unexpected {', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''}")
-    if mismatched:
-        problems.append(f"shape mismatch {', '.join(mismatched[:3])}{' ...' if len(mismatched) > 3 else ''}")
-    if unconvertible:
-        problems.append(f"dtype mismatch {', '.join(unconvertible[:3])}{' ...' if len(unconvertible) > 3 else ''}")
+    for label, keys, shown in (("missing", missing, strict), ("unexpected", unexpected, strict),
+                               ("shape mismatch", mismatched, True), ("dtype mismatch", unconvertible, True)):
+        if keys and shown:
+            problems.append(f"{label} {_keys(keys)}")
     if problems:
         raise ConfigError(f"{source}: its weights do not fit this model ({'; '.join(problems)}); expected a "
                           "checkpoint of the same model config")
