@@ -26,7 +26,6 @@ import mmap
 import os
 import re
 import shutil
-import signal
 import stat
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -1121,33 +1120,3 @@ class CheckpointManager:
                     and isinstance(item[1], str)):
                 raise DamagedCheckpoint(f"{where}/top_k/{i}: the checkpoint holds {_shown(item)}; expected [metric "
                                         "value, checkpoint name]")
-
-
-# ---------------------------------------------------------------------------------------------- signals
-class SignalWatch:
-    """On SIGTERM or SIGINT, ask the loop to stop after the current step (it saves `last` and exits);
-    a second signal aborts at once."""
-
-    def __init__(self) -> None:
-        self.received: Optional[int] = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> "SignalWatch":
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            if signal.getsignal(sig) is signal.SIG_IGN:  # e.g. spawned DDP workers: the parent forwards SIGINT
-                continue
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        if self.received is not None:
-            self.__exit__()
-            raise KeyboardInterrupt
-        self.received = signum
-        log.warning("Received %s: finishing this step, then saving checkpoints/last (send again to abort)",
-                    signal.Signals(signum).name)
-
-    def __exit__(self, *_exc: Any) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from typing import Any
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from torch import nn
@@ -68,6 +68,11 @@ class Strategy:
         """The module evaluation runs through (DDP's wrapper is for training only)."""
         return model
 
+    def no_sync(self, model: nn.Module) -> Optional[Callable[[], ContextManager[Any]]]:
+        """What to enter for a micro-batch whose gradients are only accumulated (not the last before an
+        optimizer step), so that it runs no gradient all-reduce; None where nothing is reduced per backward."""
+        return None
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
@@ -121,6 +126,11 @@ class DDPStrategy(Strategy):
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids,
                                                    find_unused_parameters=self.find_unused_parameters,
                                                    static_graph=self.static_graph)
+
+    def no_sync(self, model: nn.Module) -> Optional[Callable[[], ContextManager[Any]]]:
+        # DDP all-reduces in backward; under no_sync it only accumulates, and the next synced backward reduces
+        # the sum: one all-reduce per optimizer step instead of one per micro-batch.
+        return model.no_sync if isinstance(model, nn.parallel.DistributedDataParallel) else None
 
     def for_eval(self, model: nn.Module) -> nn.Module:
         # Ranks evaluate uneven shards; the plain module runs no collective that would wait for the others.

@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from framework import reproducibility
-from framework.checkpoint import (Checkpoint, CheckpointManager, CheckpointSaveError, DamagedCheckpoint, SignalWatch,
+from framework.checkpoint import (Checkpoint, CheckpointManager, CheckpointSaveError, DamagedCheckpoint,
                                   check_compatible, load_weights, validate_rng_state, validate_state)
 from framework.data import DataModule
 from framework.errors import ConfigError, Interrupted, UserError
@@ -30,6 +30,7 @@ from framework.optim import (apply_changed_options, build_optimizer, build_sched
                              check_optimizer_state, describe_groups, format_groups, group_names, lr_plan)
 from framework.parallel import build_strategy
 from framework.precision import Precision
+from framework.signals import SignalWatch
 from framework.task import Task
 
 log = logging.getLogger(__name__)
@@ -378,6 +379,8 @@ class Trainer:
         precision, bar, checkpoints = self.precision, self.bar if self.bar.enabled else None, self.checkpoints
         autocast = precision.autocast if precision.dtype is not None else None
         to_device = None if self.device.type == "cpu" else move_to  # batches are made on the CPU
+        no_sync = self.strategy.no_sync(self.task.model) if self.accumulate > 1 else None
+        plain = contextlib.nullcontext()
         accumulate, train_batches, log_every, max_steps = (self.accumulate, self.train_batches, self.log_every,
                                                            self.max_steps)
         periodic = checkpoints.every_n_steps > 0  # mid-epoch saves happen by step only
@@ -391,18 +394,21 @@ class Trainer:
                 break
             if to_device is not None:
                 batch = to_device(batch, self.device)
-            if autocast is None:
-                loss = training_step(batch).loss
-            else:
-                with autocast():
+            steps_now = accumulate == 1 or (self.batch_in_epoch + 1) % accumulate == 0 \
+                or self.batch_in_epoch + 1 == train_batches
+            with (plain if no_sync is None or steps_now else no_sync()):  # one all-reduce per optimizer step
+                if autocast is None:
                     loss = training_step(batch).loss
-            precision.backward(loss / accumulate if accumulate > 1 else loss)
+                else:
+                    with autocast():
+                        loss = training_step(batch).loss
+                precision.backward(loss / accumulate if accumulate > 1 else loss)
             losses.append(loss.detach())
             self.batch_in_epoch += 1
             samples += batch_size(batch)
             if bar is not None:
                 bar.update()
-            if accumulate == 1 or self.batch_in_epoch % accumulate == 0 or self.batch_in_epoch == train_batches:
+            if steps_now:
                 self._optimizer_step()
                 if self.step % log_every == 0:
                     self._flush_train_log()
