@@ -1,0 +1,106 @@
+"""The checkpoint writer: saves in order, inline or (`async_save`) on one background thread. In the background
+the training loop waits only for a copy of the state into reused host buffers; writing, hashing, flushing and
+renaming happen on the thread (as torch.distributed.checkpoint.async_save)."""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from framework.checkpoint.format import _join, flatten, unflatten
+from framework.checkpoint.save import write_checkpoint
+from framework.errors import UserError
+
+log = logging.getLogger(__name__)
+
+class CheckpointWriter:
+    """Writes checkpoints in order, inline or (`background`) on one background thread.
+
+    In the background, `write` returns once the state is copied into host buffers that the next save reuses
+    (no allocation after the first save; pinned memory for CUDA tensors): the loop then goes on while the
+    files are written, hashed, flushed and renamed into place. Only one save is in flight: the next `write`
+    first waits for the previous one. A failure skips what was queued after it (the links and the pruning
+    that assumed the save) and is raised by the next `write` (after it has queued its own save) or `wait`:
+    a CheckpointSaveError then, as the run's one error line; any other failure is also logged at once. A
+    crash at any point leaves the previous checkpoint intact, as an inline save does."""
+
+    def __init__(self, durable: bool = True, background: bool = False) -> None:
+        self.durable, self.background = durable, background
+        self._thread: Optional[ThreadPoolExecutor] = None
+        self._pending: list[Future] = []
+        self._staging: dict[str, torch.Tensor] = {}
+        self._failure: Optional[BaseException] = None  # set by the writer thread, cleared by wait()
+
+    def write(self, path: Path, model_state: dict[str, torch.Tensor], state: dict[str, Any],
+              meta: dict[str, Any]) -> None:
+        if not self.background:
+            write_checkpoint(path, model_state, state, meta, self.durable)
+            return
+        try:
+            self.wait()  # the staging buffers are about to be overwritten
+            earlier = None
+        except Exception as err:  # noqa: BLE001  (this save is still worth making: it may be a signal's `last`)
+            earlier = err
+        live: dict[str, torch.Tensor] = {}
+        structure = flatten({"model": dict(model_state), "state": state}, live)
+        staged = self._stage(live)
+        copy = unflatten(structure, staged)
+        self.call(write_checkpoint, path, copy["model"], copy["state"], meta, self.durable)
+        if earlier is not None:
+            raise earlier
+
+    def call(self, fn: Any, *args: Any) -> None:
+        """Run `fn(*args)` after every write queued before it (links and pruning must follow their save)."""
+        if not self.background:
+            fn(*args)
+            return
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._pending.append(self._thread.submit(self._run, fn, args))
+
+    def _run(self, fn: Any, args: tuple) -> None:
+        if self._failure is not None:
+            return  # a save failed: the links and the pruning queued after it must not run
+        try:
+            fn(*args)
+        except BaseException as err:
+            self._failure = err
+            if not isinstance(err, UserError):
+                log.error("A checkpoint save failed (%s: %s); the previous checkpoints are kept",
+                          type(err).__name__, err)
+            raise
+
+    def wait(self) -> None:
+        """Block until every queued save is on disk; raises the first error of one that failed."""
+        pending, self._pending = self._pending, []
+        try:
+            _join(pending)
+        finally:
+            self._failure = None
+
+    def close(self) -> None:
+        """Free the thread and the host buffers (a sweep runs many trainers in one process)."""
+        self.wait()
+        if self._thread is not None:
+            self._thread.shutdown()
+            self._thread = None
+        self._staging = {}
+
+    def _stage(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy every tensor into its reused host buffer (allocated on first use or when its shape changes)."""
+        staged, devices = {}, set()
+        for key, tensor in live.items():
+            buffer = self._staging.get(key)
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            buffer.copy_(tensor, non_blocking=tensor.is_cuda)
+            if tensor.is_cuda:
+                devices.add(tensor.device)
+            staged[key] = buffer
+        for device in devices:
+            torch.cuda.synchronize(device)  # the non-blocking copies must have landed before the writer reads them
+        self._staging = staged  # buffers of tensors the state no longer has are freed
+        return staged
