@@ -7,8 +7,11 @@ from omegaconf import DictConfig
 
 import framework.app
 import framework.cli
+import framework.config
 import framework.launch
 import framework.resume
+
+framework.config.register()  # the structured-config schemas conf/ is composed against
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

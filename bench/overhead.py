@@ -56,7 +56,10 @@ def compose_bench(max_steps: int, device: str, extra: tuple[str, ...] = ()) -> A
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    import framework.app  # noqa: F401  (registers the structured-config schemas)
+    import framework.app  # noqa: F401  (the resolvers conf/config.yaml uses)
+    import framework.config
+
+    framework.config.register()  # the schemas conf/ is composed against
     from framework import config as framework_config
 
     overrides = ["experiment=bench", f"trainer.max_steps={max_steps}", f"trainer.device={device}", *extra]

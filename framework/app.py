@@ -27,7 +27,9 @@ from framework.loggers import write_json
 
 log = logging.getLogger(__name__)
 
-config.register()
+# The resolvers conf/config.yaml's hydra.run.dir uses are needed wherever Hydra resolves it, a launcher's worker
+# process included (it imports this module to unpickle the job): registered on import. The schemas are only needed
+# where conf/ is composed: run.py registers them, explicitly.
 resume.register_resolvers()
 
 
@@ -191,6 +193,6 @@ def launch(cfg: DictConfig, run_dir: Path, checkpoint: Any = None, hparams: Opti
         spawn(cfg, run_dir, cfg.parallel.devices or default_devices(),
               checkpoint.path if checkpoint is not None else None, hparams, choices)
         return json.loads((run_dir / "summary.json").read_text())
-    from framework.trainer import Trainer
+    from framework.trainer import train
 
-    return Trainer(cfg, run_dir, resume_from=checkpoint, hparams=hparams, choices=choices).fit()
+    return train(cfg, run_dir, resume_from=checkpoint, hparams=hparams, choices=choices)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from enum import Enum
 from typing import Any, Optional, Union
@@ -27,6 +27,8 @@ class TrainerConfig:
     max_epochs: int = 20
     max_steps: int = -1  # optimizer steps; -1 means "no limit" (Lightning's convention)
     val_every_n_epochs: int = 1
+    val_every_n_steps: int = 0  # also validate every N optimizer steps, counted across epochs (0: never)
+    max_time: Optional[str] = None  # wall-clock budget, DD:HH:MM:SS or seconds, kept across resumes (Lightning's)
     log_every_n_steps: int = 50
     accumulate_grad_batches: int = 1
     grad_clip_norm: Optional[float] = None
@@ -114,6 +116,7 @@ class RootConfig:
     checkpoint: Any = MISSING
     logger: Any = MISSING
     trainer: Any = MISSING
+    callbacks: Any = field(default_factory=dict)  # name -> a _target_ node, or null (off)
 
 
 def register() -> None:
@@ -135,7 +138,10 @@ CLOSED_GROUPS = {"trainer": TrainerConfig, "logger": LoggerConfig, "checkpoint":
 # Lightning's names (Trainer and ModelCheckpoint arguments) and their homes here, for "did you mean" hints.
 LIGHTNING_NAMES = {
     "check_val_every_n_epoch": "trainer.val_every_n_epochs",
-    "val_check_interval": "trainer.val_every_n_epochs",
+    "val_check_interval": "trainer.val_every_n_steps",
+    "max_time": "trainer.max_time",
+    "early_stopping": "callbacks.early_stopping",
+    "earlystopping": "callbacks.early_stopping",
     "gradient_clip_val": "trainer.grad_clip_norm",
     "gradient_clip_algorithm": "trainer.grad_clip_norm",
     "max_epoch": "trainer.max_epochs",
@@ -254,6 +260,7 @@ def validate(cfg: DictConfig) -> None:
     anything is built."""
     check_closed_keys(cfg)
     _check_trainer(cfg.trainer)
+    _check_callbacks(cfg.get("callbacks", DictConfig({})))
     _check_checkpoint(cfg.checkpoint, cfg.data)
     _check_parallel(cfg.parallel, cfg.trainer.device)
     low, high = SEED_RANGE
@@ -268,6 +275,11 @@ def _check_trainer(t: DictConfig) -> None:
     _require(t.max_epochs >= 1 or (t.max_steps >= 1 and t.max_epochs >= -1), "trainer.max_epochs", t.max_epochs,
              ">= 1 (or -1 or 0 with trainer.max_steps >= 1, which then alone decides the length)")
     _require(t.val_every_n_epochs >= 1, "trainer.val_every_n_epochs", t.val_every_n_epochs, ">= 1")
+    _require(t.val_every_n_steps >= 0, "trainer.val_every_n_steps", t.val_every_n_steps,
+             ">= 0 (0: validate by epoch only)")
+    if t.max_time is not None:
+        _require(parse_duration(t.max_time) is not None, "trainer.max_time", t.max_time,
+                 "a duration DD:HH:MM:SS (e.g. 00:12:00:00, or HH:MM:SS) or a number of seconds > 0")
     _require(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", t.log_every_n_steps, ">= 1")
     _require(t.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches", t.accumulate_grad_batches, ">= 1")
     _check_positive("trainer.grad_clip_norm", t.grad_clip_norm)
@@ -276,6 +288,31 @@ def _check_trainer(t: DictConfig) -> None:
         _check_limit(f"trainer.{key}", t[key])
     _require(t.device == "auto" or DEVICE.fullmatch(t.device) is not None, "trainer.device", t.device,
              "'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
+
+
+def parse_duration(value: Any) -> Optional[float]:
+    """Lightning's max_time as seconds: "DD:HH:MM:SS" (or "HH:MM:SS", "MM:SS"), or a number of seconds; None when
+    it is neither, or not > 0."""
+    text = str(value).strip() if isinstance(value, (str, int, float)) and not isinstance(value, bool) else ""
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        seconds = float(text)
+    elif re.fullmatch(r"\d+(:\d+){1,3}", text):
+        parts = [int(p) for p in text.split(":")]
+        seconds = float(sum(p * unit for p, unit in zip(reversed(parts), (1, 60, 3600, 86400))))
+    else:
+        return None
+    return seconds if 0 < seconds < math.inf else None
+
+
+def _check_callbacks(callbacks: Any) -> None:
+    """A dict of callback nodes: each a node with a _target_, or null (turned off)."""
+    _require(isinstance(callbacks, DictConfig), "callbacks", callbacks,
+             "a dict of name: {_target_: ...} (e.g. callbacks=default, or callbacks=none)")
+    for name, node in callbacks.items_ex(resolve=False):
+        if node is None:
+            continue
+        _require(isinstance(node, DictConfig) and "_target_" in node, f"callbacks.{name}", node,
+                 "a node with a _target_ (a framework.callbacks.Callback subclass), or null to turn it off")
 
 
 def _check_checkpoint(ck: DictConfig, data: Any) -> None:

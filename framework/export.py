@@ -1,8 +1,9 @@
 """Export a trained model for use outside this framework, and prove the export computes what the checkpoint does.
 
-    python -m framework.export RUN_DIR_OR_CHECKPOINT [--which best|last] [--out DIR] [--torchscript trace|script]
+    python -m framework.export RUN_DIR_OR_CHECKPOINT [--which best|last] [--out DIR] [--torchscript trace|script] [--raw]
 
-The model is rebuilt from the config stored in the checkpoint's meta.json and given its `model.safetensors`.
+The model is rebuilt from the config stored in the checkpoint's meta.json and given its `model.safetensors`, or,
+when the run evaluated an EMA of its weights (callbacks.ema with use_for_eval), that average (`--raw`: the trained ones).
 Written to --out (default: RUN_DIR/export/):
 - `model.safetensors`: the plain state dict (no `module.` prefix), for `model.load_state_dict(load_file(...))`;
 - `model.pt`: TorchScript, from `torch.jit.trace` on a [2, *data.input_shape] batch (default) or
@@ -82,11 +83,26 @@ def to_torchscript(model: torch.nn.Module, batch: torch.Tensor, mode: str) -> to
                             f"try --torchscript {other}") from None
 
 
-def export(checkpoint: Checkpoint, out: Path, mode: str = "trace", trust: bool = False) -> dict[str, float]:
+def eval_weights(checkpoint: Checkpoint, raw: bool = False) -> tuple[dict[str, torch.Tensor], str]:
+    """The weights the run evaluated: a weight-averaging callback's (EMA with use_for_eval) when the checkpoint
+    has one, else the trained ones; and which they are, in words."""
+    weights = checkpoint.model_state()
+    if raw:
+        return weights, "trained weights"
+    callbacks = checkpoint.state().get("callbacks") or {}
+    for name, state in callbacks.items() if isinstance(callbacks, dict) else ():
+        averaged = state.get("weights") if isinstance(state, dict) and state.get("use_for_eval") is True else None
+        if isinstance(averaged, dict) and set(averaged) == set(weights):
+            return averaged, f"EMA weights (callbacks.{name}; --raw exports the trained ones)"
+    return weights, "trained weights"
+
+
+def export(checkpoint: Checkpoint, out: Path, mode: str = "trace", trust: bool = False,
+           raw: bool = False) -> dict[str, float]:
     """Write the two files under `out`, reload them, and return the max abs difference of each from the
     checkpoint's model on the example batch (raises UserError when outside tolerance)."""
     model = build_model(checkpoint, trust)
-    weights = checkpoint.model_state()
+    weights, _ = eval_weights(checkpoint, raw)
     check_compatible(model, weights, f"checkpoint {checkpoint.path}", strict=True)
     model.load_state_dict(weights)
     batch = example_batch(checkpoint)
@@ -139,17 +155,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/export)")
     parser.add_argument("--torchscript", choices=("trace", "script"), default="trace",
                         help="how model.pt is made (default: trace, on a [2, *data.input_shape] batch)")
+    parser.add_argument("--raw", action="store_true",
+                        help="export the trained weights even where the run evaluated an EMA of them")
     parser.add_argument("--trust-saved-config", action="store_true",
                         help="build the model even if the saved config names targets this project does not")
     args = parser.parse_args(argv)
     try:
         checkpoint = find_checkpoint(args.path, args.which)
         out = args.out or default_out(checkpoint)
-        diffs = export(checkpoint, out, args.torchscript, args.trust_saved_config)
+        diffs = export(checkpoint, out, args.torchscript, args.trust_saved_config, args.raw)
+        which = eval_weights(checkpoint, args.raw)[1]
     except UserError as err:
         print(f"Error: {err}", file=sys.stderr)
         return 1
-    print(f"Exported {checkpoint.path} (step {checkpoint.step}):\n"
+    print(f"Exported {checkpoint.path} (step {checkpoint.step}), {which}:\n"
           f"  {out / WEIGHTS_FILE}  weights (state dict)\n"
           f"  {out / TORCHSCRIPT_FILE}  TorchScript ({args.torchscript})\n"
           f"Verified on a batch of {list(example_batch(checkpoint).shape)} in eval mode, max abs difference: "

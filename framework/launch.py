@@ -104,12 +104,10 @@ def _worker(rank: int, world_size: int, port: int, cfg: DictConfig, run_dir: Pat
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     _configure_logging(rank, run_dir)
-    from framework.checkpoint import open_checkpoint
-    from framework.trainer import Trainer
+    from framework.trainer import train
 
     try:
-        Trainer(cfg, run_dir, resume_from=open_checkpoint(checkpoint) if checkpoint else None, hparams=hparams,
-                choices=choices).fit()
+        train(cfg, run_dir, resume_from=checkpoint, hparams=hparams, choices=choices)
     except UserError as err:  # reported once, by the parent, without a traceback
         if rank == 0 or not isinstance(err, Interrupted):
             errors.put((rank, str(err), getattr(err, "signum", None)))

@@ -6,7 +6,7 @@ clipping sees true gradients and a step with inf/NaN gradients is skipped (and r
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Iterable, Optional
+from typing import Any, Callable, ContextManager, Iterable, Optional
 
 import torch
 
@@ -43,10 +43,14 @@ class Precision:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter],
-             clip_norm: Optional[float], clip_value: Optional[float]) -> bool:
-        """Clip and step; returns False when the GradScaler skipped the step (inf/NaN gradients)."""
+             clip_norm: Optional[float], clip_value: Optional[float],
+             before_step: Optional[Callable[[], None]] = None) -> bool:
+        """Clip and step; returns False when the GradScaler skipped the step (inf/NaN gradients).
+        `before_step` runs where the gradients are true ones: after unscaling, before clipping."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)  # clipping must see true gradients, not scaled ones
+        if before_step is not None:
+            before_step()
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, clip_norm)
         if clip_value is not None:

@@ -1,8 +1,10 @@
 """The Trainer: builds every component from the config, then runs fit -> validate -> test.
 
-One training step, top to bottom, is in `_train_epoch`: batch -> autocast forward -> backward ->
-(every `accumulate_grad_batches`) unscale/clip/step -> scheduler -> log. Everything else is a call into
-the module that owns the concern; this file is the only place that knows them all.
+One training step, top to bottom, is in `_train_epoch`: batch -> autocast forward -> backward -> (every
+`accumulate_grad_batches`) unscale/clip/step -> scheduler -> callbacks -> log -> stop? -> validate/checkpoint.
+Everything else is a call into the module that owns the concern; this file is the only place that knows them all.
+Resumable state is registered once, in `__init__`, with `framework.state.TrainingState`; a checkpoint is what
+that registry collects, and a resume is what it checks and loads.
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from framework import reproducibility
+from framework.callbacks import Callback, CallbackList, Timer
 from framework.checkpoint import (Checkpoint, CheckpointManager, CheckpointSaveError, DamagedCheckpoint,
-                                  check_compatible, load_weights, validate_rng_state, validate_state)
+                                  check_compatible, load_weights, open_checkpoint, validate_state)
 from framework.data import DataModule
 from framework.errors import ConfigError, Interrupted, UserError
 from framework.instantiate import build
@@ -31,12 +34,20 @@ from framework.optim import (apply_changed_options, build_optimizer, build_sched
 from framework.parallel import build_strategy
 from framework.precision import Precision
 from framework.signals import SignalWatch
+from framework.state import Progress, RngState, TrainingState
 from framework.task import Task
 
 log = logging.getLogger(__name__)
 
 # Metrics shown in TensorBoard's HParams tab for every run (read from these scalar tags).
 HPARAM_METRICS = ["val/acc", "val/loss", "best/val/acc", "best/val/loss", "test/acc", "test/loss"]
+
+
+def train(cfg: DictConfig, run_dir: Path, resume_from: Union[None, Path, Checkpoint] = None,
+          hparams: Optional[dict[str, Any]] = None, choices: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Build the Trainer and fit: the one place a run is started, in this process or in a spawned worker."""
+    checkpoint = open_checkpoint(resume_from) if isinstance(resume_from, Path) else resume_from
+    return Trainer(cfg, run_dir, resume_from=checkpoint, hparams=hparams, choices=choices).fit()
 
 
 def move_to(batch: Any, device: torch.device) -> Any:
@@ -65,17 +76,55 @@ def _limit(limit: Union[int, float], available: int) -> int:
     return min(limit, available)
 
 
+class LossWindow:
+    """The per-batch losses since the last logging step, kept on the device (appending costs no kernel launch;
+    the one host sync is at the logging step), and the step the window started after."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.losses: list[torch.Tensor] = []
+        self.first_step = 0
+
+    def tensor(self) -> torch.Tensor:
+        if not self.losses:
+            return torch.zeros(0, device=self.device)
+        return torch.stack([loss.reshape(()) for loss in self.losses]).float()  # a loss of shape [1] too
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"first_step": self.first_step, "losses": self.tensor()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.first_step = state["first_step"]
+        self.losses[:] = list(state["losses"].to(self.device).unbind())  # in place: the loop holds this list
+
+
+def build_callbacks(cfg: DictConfig) -> dict[str, Callback]:
+    """The `callbacks` group's nodes (a null one is off), plus Lightning's Timer for `trainer.max_time`."""
+    callbacks: dict[str, Callback] = {}
+    for name, node in (cfg.get("callbacks") or {}).items():
+        if node is None:
+            continue
+        callback = build(node, f"callbacks.{name}")
+        if not isinstance(callback, Callback):
+            raise ConfigError(f"callbacks.{name}._target_={node.get('_target_')!r} built a "
+                              f"{type(callback).__name__}; expected a framework.callbacks.Callback subclass")
+        callbacks[str(name)] = callback
+    if cfg.trainer.max_time is not None and not any(isinstance(c, Timer) for c in callbacks.values()):
+        callbacks["timer"] = Timer(cfg.trainer.max_time)
+    return callbacks
+
+
 class Trainer:
     def __init__(self, cfg: DictConfig, run_dir: Path, resume_from: Optional[Checkpoint] = None,
                  hparams: Optional[dict[str, Any]] = None, choices: Optional[dict[str, Any]] = None) -> None:
         self.cfg, self.run_dir, self.hparams = cfg, run_dir, hparams or {}
-        self.choices = choices or {}  # the config groups' options, kept in each checkpoint for resume
         t = cfg.trainer
         self.fast_dev_run = t.fast_dev_run
         self.max_steps = 1 if self.fast_dev_run else t.max_steps
         self.max_epochs = 1 if self.fast_dev_run else t.max_epochs
         self.accumulate = t.accumulate_grad_batches
-        self.log_every = t.log_every_n_steps
+        self.log_every_n_steps = t.log_every_n_steps
+        self.val_every_n_steps = t.val_every_n_steps
 
         reproducibility.set_deterministic(t.deterministic)
         reproducibility.seed_everything(cfg.seed)
@@ -100,6 +149,7 @@ class Trainer:
             check_compatible(self.task.model, weights, f"init_from={cfg.init_from!r}", cfg.init_strict)
             self.task.model.load_state_dict(weights, strict=cfg.init_strict)
         self.optimizer, self.frozen = build_optimizer(cfg.optimizer, self.task.model)
+        self.param_group_names = group_names(self.optimizer)
         self.train_batches = _limit(1 if self.fast_dev_run else t.limit_train_batches, self.data.num_batches("train"))
         if self.train_batches == 0:
             raise ConfigError("data.train: the training set gives no batch (is it empty, or smaller than "
@@ -107,10 +157,6 @@ class Trainer:
         self.steps_per_epoch = math.ceil(self.train_batches / self.accumulate)
         self.scheduler = build_scheduler(cfg.scheduler, self.optimizer, max_steps=self.max_steps,
                                          max_epochs=self.max_epochs, steps_per_epoch=self.steps_per_epoch)
-        if self.scheduler is not None and self.scheduler.monitor is not None and not self.data.has("val"):
-            raise ConfigError(f"scheduler.monitor={self.scheduler.monitor!r}: this run has no validation split "
-                              "(data.val is null), so the metric never exists; expected a data.val split, or a "
-                              "scheduler that monitors nothing (scheduler.monitor=null)")
         self.precision = Precision(cfg.precision.mode.value, self.device)
         self.params = [p for p in self.task.parameters() if p.requires_grad]
         if t.compile:
@@ -124,6 +170,8 @@ class Trainer:
             every_n_epochs=ck.every_n_epochs, keep_last=ck.keep_last, monitor=ck.monitor, mode=ck.mode.value,
             save_top_k=ck.save_top_k, enabled=rank_zero and not self.fast_dev_run, fsync=ck.fsync,
             async_save=ck.async_save)
+        self.callbacks = CallbackList(build_callbacks(cfg))
+        self._check_monitors_exist()
         self.on_signal = ck.on_signal and not self.fast_dev_run
         self.resume_from = resume_from
         # On resume, TensorBoard drops whatever the killed run logged after its checkpoint's step.
@@ -132,17 +180,68 @@ class Trainer:
                                         and not self.fast_dev_run and not t.dry_run, purge_step=purge_step)
         self.bar = ProgressBar(enabled=rank_zero and cfg.logger.progress_bar)
 
-        self.step = 0  # optimizer steps taken
-        self.epoch = 0  # epochs completed
-        self.batch_in_epoch = 0  # batches of the current epoch already consumed
-        self.metrics: dict[str, float] = {}  # latest value of every metric, for the summary
-        self._last_val_step = -1
-        # Per-batch losses of the current logging window, kept on device: no host sync until a log step
-        # (a list, not a preallocated tensor: appending costs no kernel launch).
-        self._losses: list[torch.Tensor] = []
+        self.progress = Progress()
+        self.stop_reason = ""  # why a callback stopped the run; not saved: on resume, callbacks decide again
+        self.metrics: dict[str, float] = {}  # latest value of every metric, for the summary and the callbacks
+        self.window = LossWindow(self.device)
+        self._logged: dict[str, Any] = {}  # values given to log(), written at the next logging step
         self._clip_norm, self._clip_value = t.grad_clip_norm, t.grad_clip_value  # no config access per step
-        self._window_first_step = 0
-        self._saved_step = -1  # step of the newest checkpoint written by this process
+        before_step = self.callbacks.bound("on_before_optimizer_step")
+        self._before_step = (lambda: before_step(self, self.task, self.optimizer)) if before_step else None
+        self._before_zero_grad = self.callbacks.bound("on_before_zero_grad")
+
+        # Every piece of resumable state, once. The checkpoint's meta.json also holds the config and the
+        # groups' options (which resume rebuilds the run from) and the number of processes.
+        self.state = TrainingState(lambda: self.module, self.progress, self.metrics, info={
+            "world_size": self.strategy.world_size,
+            "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+            "choices": {g: o for g, o in (choices or {}).items() if not g.startswith("hydra")}})
+        self.state.register("optimizer", self.optimizer, check=self._check_optimizer_state)
+        if self.scheduler is not None:
+            self.state.register("scheduler", self.scheduler)
+        self.state.register("precision", self.precision, check=self._check_precision_state)
+        self.state.register("checkpoints", self.checkpoints, check=CheckpointManager.check_state_dict)
+        self.state.register("train_loss", self.window, optional=True)
+        self.state.register("callbacks", self.callbacks, check=self._check_callback_state, optional=True)
+        rng = RngState(self.strategy)
+        self.state.register("rng", rng, check=rng.check_state_dict)  # last: loading it must follow all the rest
+        self.callbacks.call("setup", self, self.task)
+
+    # ------------------------------------------------------------------ what callbacks see (Lightning's names)
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model itself, unwrapped from DDP/DP: what is saved, exported and averaged."""
+        return self.strategy.unwrap(self.task.model)
+
+    @property
+    def global_step(self) -> int:
+        return self.progress.step
+
+    @property
+    def current_epoch(self) -> int:
+        return self.progress.epoch
+
+    @property
+    def callback_metrics(self) -> dict[str, float]:
+        return self.metrics
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.strategy.is_rank_zero
+
+    @property
+    def should_stop(self) -> bool:
+        return bool(self.stop_reason)
+
+    def request_stop(self, reason: str) -> None:
+        """Stop at the next optimizer-step boundary (every rank at the same one); `reason` goes to the console
+        and summary.json. The first reason given wins."""
+        if not self.stop_reason:
+            self.stop_reason = reason
+
+    def log(self, name: str, value: Union[float, torch.Tensor]) -> None:
+        """A scalar for TensorBoard at the next logging step (a tensor is read then, with the loss: no sync)."""
+        self._logged[name] = value.detach() if isinstance(value, torch.Tensor) else value
 
     # ------------------------------------------------------------------ fit
     def fit(self) -> dict[str, Any]:
@@ -157,34 +256,32 @@ class Trainer:
         watch = SignalWatch() if self.on_signal else contextlib.nullcontext()
         finished = False
         try:
+            self.callbacks.call("on_fit_start", self, self.task)
             with watch:
                 while not self._finished():
                     self._train_epoch(watch)
-                    if self.batch_in_epoch >= self.train_batches:  # a whole epoch, not a max_steps stop
-                        self.epoch += 1
-                        self.batch_in_epoch = 0
-                        val = None
-                        if self.data.has("val") and self.epoch % self.cfg.trainer.val_every_n_epochs == 0:
-                            val = self._validate()
-                        self._epoch_scheduler_step(val)
-                        periodic = self.checkpoints.due_periodic(self.step, completed_epochs=self.epoch)
-                        self.checkpoints.save(self.step, self._write_checkpoint, periodic=periodic, metrics=val)
+                    if self.progress.batch_in_epoch >= self.train_batches:  # a whole epoch, not a stop mid-epoch
+                        self._end_epoch()
             self._flush_train_log()
-            if self.data.has("val") and self._last_val_step != self.step:
+            if self.stop_reason and self.strategy.is_rank_zero:
+                log.warning("Stopped at step %d (epoch %d): %s", self.progress.step, self.progress.epoch,
+                            self.stop_reason)
+            if self.data.has("val") and self.progress.last_val_step != self.progress.step:
                 self._validate()  # the summary always reports the final weights
-            if self.checkpoints.save_last and self._saved_step != self.step:
-                self.checkpoints.save(self.step, self._write_checkpoint, periodic=False)
+            if self.checkpoints.save_last and self.checkpoints.saved_step != self.progress.step:
+                self.checkpoints.save(self.state, self.progress.step, periodic=False)
             self.checkpoints.writer.close()  # every checkpoint on disk before the summary names them
             if self.cfg.trainer.test and self.data.has("test"):
-                self._record(self._evaluate("test"))
+                self._test()
             summary = self._summary(time.perf_counter() - start)
-            self.logger.log_metrics({k: v for k, v in summary.items() if k.startswith("best/")}, self.step)
+            self.logger.log_metrics({k: v for k, v in summary.items() if k.startswith("best/")}, self.progress.step)
             if self.hparams:
                 self.logger.end_hparams_session()
+            self.callbacks.call("on_fit_end", self, self.task)
             finished = True
         except BaseException as err:
             finished = isinstance(err, Interrupted)  # a signal stop is agreed by every rank: still in step
-            self._finish_saves(err)
+            self._on_exception(err)
             raise
         finally:
             self.bar.close()
@@ -194,6 +291,47 @@ class Trainer:
             write_json(self.run_dir / "summary.json", summary)
             print_summary(summary, self.run_dir)
         return summary
+
+    def _end_epoch(self) -> None:
+        """A completed epoch: its callbacks, validation (by epoch, or by step when this step is due), the epoch
+        scheduler, then the checkpoint policies (periodic, top-k, last)."""
+        p = self.progress
+        p.epoch += 1
+        p.batch_in_epoch = 0
+        self.callbacks.call("on_train_epoch_end", self, self.task)
+        due = p.epoch % self.cfg.trainer.val_every_n_epochs == 0 or self._val_due_by_step()
+        val = self._validation_round() if self.data.has("val") and due and p.last_val_step != p.step else None
+        self._epoch_scheduler_step()
+        periodic = self.checkpoints.due_periodic(p.step, completed_epochs=p.epoch)
+        self.checkpoints.save(self.state, p.step, periodic=periodic, metrics=val)
+
+    def _val_due_by_step(self) -> bool:
+        return self.val_every_n_steps > 0 and self.progress.step % self.val_every_n_steps == 0
+
+    def _on_exception(self, err: BaseException) -> None:
+        """On the way out of a failed or stopped run: the callbacks hear of it, and a save still in flight is
+        finished (a failure of its own is logged, not raised over the error that ends the run)."""
+        try:
+            self.callbacks.call("on_exception", self, self.task, err)
+        except Exception as hook_err:  # noqa: BLE001  (the error that ends the run is the one to report)
+            log.error("A callback's on_exception failed: %s: %s", type(hook_err).__name__, hook_err)
+        self._finish_saves(err)
+
+    def _monitors(self) -> dict[str, str]:
+        """Every metric a component watches, by the config key that names it."""
+        found = {"checkpoint.monitor": self.checkpoints.monitor if self.checkpoints.save_top_k else None,
+                 "scheduler.monitor": getattr(self.scheduler, "monitor", None),
+                 **{f"callbacks.{name}.monitor": getattr(cb, "monitor", None) for name, cb in self.callbacks}}
+        return {key: monitor for key, monitor in found.items() if isinstance(monitor, str)}
+
+    def _check_monitors_exist(self) -> None:
+        """A monitor with no validation split to compute it is an error at start, not after the first epoch."""
+        if self.data.has("val"):
+            return
+        for key, monitor in self._monitors().items():  # (checkpoint's: config.validate already refused it)
+            remedy = "scheduler.monitor=null" if key == "scheduler.monitor" else f"{key.rsplit('.', 1)[0]}=null"
+            raise ConfigError(f"{key}={monitor!r}: this run has no validation split (data.val is null), so the "
+                              f"metric never exists; expected a data.val split, or {remedy}")
 
     def _check_first_batches(self) -> None:
         """The first train and val batch through the task once, before anything is logged or trained: data of
@@ -213,10 +351,8 @@ class Trainer:
                                                 input_shape=self.data.input_shape, num_classes=self.data.num_classes)
                 if split == "val":  # a monitor naming no metric would otherwise fail after the first epoch
                     names = ["val/loss", *(f"val/{name}" for name in out.metrics)]
-                    monitors = {"checkpoint.monitor": self.checkpoints.monitor if self.checkpoints.save_top_k else None,
-                                "scheduler.monitor": getattr(self.scheduler, "monitor", None)}
-                    for key, monitor in monitors.items():
-                        if monitor is not None and monitor not in names:
+                    for key, monitor in self._monitors().items():
+                        if monitor not in names:
                             raise ConfigError(f"{key}={monitor!r}: no such metric; expected one of {', '.join(names)}")
         finally:
             self.task.model = wrapped
@@ -224,33 +360,6 @@ class Trainer:
             reproducibility.set_rng_state(rng)
 
     # ------------------------------------------------------------------ checkpoints
-    def _training_state(self) -> dict[str, Any]:
-        """Everything besides the weights that an exact resume needs (each component's state_dict)."""
-        rng = self.strategy.gather_objects(reproducibility.rng_state())  # every rank's own RNG streams
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
-            "precision": self.precision.state_dict(),
-            "checkpoints": self.checkpoints.state_dict(),
-            "loop": {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                     "last_val_step": self._last_val_step, "window_first_step": self._window_first_step,
-                     "losses": self._window_losses()},
-            "metrics": dict(self.metrics),
-            "rng": {f"rank{rank}": state for rank, state in enumerate(rng)},
-        }
-
-    def _write_checkpoint(self, path: Optional[Path]) -> None:
-        """Called on every rank (the state gathers RNG from all of them); only rank 0 gets a path."""
-        state = self._training_state()
-        self._saved_step = self.step
-        if path is None:
-            return
-        meta = {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                "metrics": dict(self.metrics), "world_size": self.strategy.world_size,
-                "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
-                "choices": {g: o for g, o in self.choices.items() if not g.startswith("hydra")}}
-        self.checkpoints.writer.write(path, self.strategy.unwrap(self.task.model).state_dict(), state, meta)
-
     def _finish_saves(self, ending: BaseException) -> None:
         """On the way out of a failed run: a save still in flight is an intact checkpoint once finished
         (a failure of its own is logged, not raised over the error that ends the run; when that error is a
@@ -263,75 +372,62 @@ class Trainer:
             else:
                 log.error("A checkpoint save failed: %s: %s", type(err).__name__, err)
 
-    def _check_state(self, state: dict[str, Any], where: str, load_scheduler: bool) -> Optional[dict[str, Any]]:
-        """Every part of a checkpoint's state against the live component it is for, before any is loaded, so
-        a damaged or foreign checkpoint is one error and never a half-restored run. Returns this rank's RNG."""
-        parts = ("optimizer", "scheduler", "precision", "checkpoints", "loop", "metrics", "rng")
-        missing = [k for k in parts if k not in state] if isinstance(state, dict) else list(parts)
-        if missing:
-            raise DamagedCheckpoint(f"{where}: its state lacks {', '.join(missing)}; expected a checkpoint written "
-                                    "by this framework")
-        validate_state(state["optimizer"], self.optimizer.state_dict(), f"{where}: optimizer")
-        problem = check_optimizer_state(state["optimizer"], self.optimizer, f"{where}: optimizer")
+    # ------------------------------------------------------------------ resume
+    def _check_optimizer_state(self, saved: Any, where: str) -> None:
+        validate_state(saved, self.optimizer.state_dict(), where)
+        problem = check_optimizer_state(saved, self.optimizer, where)
         if problem is not None:
             raise DamagedCheckpoint(problem)
-        if load_scheduler:
-            validate_state(state["scheduler"], self.scheduler.state_dict(), f"{where}: scheduler")
+
+    def _check_precision_state(self, saved: Any, where: str) -> None:
         live = self.precision.state_dict()
-        validate_state(state["precision"], {**live, "scaler": live["scaler"] if state["precision"].get("scaler") else {}}
-                       if isinstance(state["precision"], dict) else live, f"{where}: precision")
-        CheckpointManager.check_state_dict(state["checkpoints"], f"{where}: checkpoints")
-        validate_state(state["loop"], {"step": 0, "epoch": 0, "batch_in_epoch": 0, "last_val_step": -1,
-                                       "window_first_step": 0, "losses": torch.zeros(0)}, f"{where}: loop")
-        validate_state(state["metrics"], {}, f"{where}: metrics")
-        if not isinstance(state["rng"], dict) or "rank0" not in state["rng"]:
-            raise DamagedCheckpoint(f"{where}: its state has no rng/rank0; expected every rank's RNG state")
-        rng = state["rng"].get(f"rank{self.strategy.rank}", state["rng"]["rank0"])
-        validate_rng_state(rng, f"{where}: rng/rank{self.strategy.rank}")
-        return rng
+        if isinstance(saved, dict) and not saved.get("scaler"):  # saved without a GradScaler (precision changed)
+            live = {**live, "scaler": {}}
+        validate_state(saved, live, where)
+
+    def _check_callback_state(self, saved: Any, where: str) -> None:
+        validate_state(saved, {}, where)  # a dict, of any names
+        for name, callback in self.callbacks:
+            if name in saved:
+                validate_state(saved[name], callback.state_dict(), f"{where}/{name}")
+        for name in saved:
+            if name not in self.callbacks.callbacks:
+                log.warning("resume: %s/%s is not configured in this run; its saved state is not used", where, name)
 
     def _restore(self, checkpoint: Checkpoint) -> None:
-        model = self.strategy.unwrap(self.task.model)
+        """Check every registered part of the checkpoint against this run before loading any of it, then load."""
         weights = checkpoint.model_state()
-        check_compatible(model, weights, f"resume={str(checkpoint.path)!r}", strict=True)
+        check_compatible(self.module, weights, f"resume={str(checkpoint.path)!r}", strict=True)
         state = checkpoint.state()
         saved_cfg = checkpoint.meta["config"]
         same_schedule = (saved_cfg.get("scheduler") or {}).get("_target_") == self.cfg.scheduler.get("_target_")
-        load_scheduler = same_schedule and self.scheduler is not None and bool(state.get("scheduler"))
-        rng = self._check_state(state, f"checkpoint {checkpoint.path}", load_scheduler)
-        model.load_state_dict(weights)
+        load_scheduler = same_schedule and isinstance(state, dict) and bool(state.get("scheduler"))
+        skip = () if load_scheduler else ("scheduler",)  # scheduler= changed on resume: the new one starts fresh
+        self.state.check(state, f"checkpoint {checkpoint.path}", skip)
+        self.module.load_state_dict(weights)
         configured = [dict(group) for group in self.optimizer.param_groups]  # from this run's config
-        self.optimizer.load_state_dict(state["optimizer"])
-        if not same_schedule:  # scheduler= changed on resume: the new schedule starts here, from its start
+        self.state.load(state, skip)
+        if not same_schedule:  # the new schedule starts here, from its start
             for group, fresh in zip(self.optimizer.param_groups, configured):
                 group.update({k: fresh[k] for k in ("lr", "initial_lr") if k in fresh})
-        elif load_scheduler:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self.precision.load_state_dict(state["precision"])
-        self.checkpoints.load_state_dict(state["checkpoints"])
         apply_changed_options(self.optimizer, self.scheduler if same_schedule else None, configured,
                               changed_options(saved_cfg.get("optimizer") or {}, self.cfg.optimizer))
-        loop = state["loop"]
-        self.step, self.epoch, self.batch_in_epoch = loop["step"], loop["epoch"], loop["batch_in_epoch"]
-        self._last_val_step, self._window_first_step = loop["last_val_step"], loop["window_first_step"]
-        self._losses = list(loop["losses"].to(self.device).unbind())
-        self.metrics = dict(state["metrics"])
-        self._saved_step = self.step
-        if f"rank{self.strategy.rank}" not in state["rng"]:
-            log.warning("resume: the checkpoint has no RNG state for rank %d (it ran with %d processes); "
-                        "random streams restart from rank 0's", self.strategy.rank, len(state["rng"]))
-        reproducibility.set_rng_state(rng)  # last: building the components above drew random numbers
+        self.checkpoints.saved_step = self.progress.step
         if self.strategy.is_rank_zero:
-            log.info("Resumed from %s at step %d (epoch %d, batch %d)", checkpoint.path, self.step, self.epoch,
-                     self.batch_in_epoch)
+            p = self.progress
+            log.info("Resumed from %s at step %d (epoch %d, batch %d)", checkpoint.path, p.step, p.epoch,
+                     p.batch_in_epoch)
 
-    def _stop_signal(self, watch: Any) -> Optional[int]:
-        """The signal to stop on, agreed by every rank (all must stop after the same step)."""
+    def _agreed_stop(self, watch: Any) -> Optional[int]:
+        """After an optimizer step: the signal to stop on (if any), and whether a callback asked to stop, agreed by
+        every rank (all must stop after the same step). Returns the signal; a callback's stop sets stop_reason."""
         received = getattr(watch, "received", None)
         if self.strategy.world_size > 1:
-            flag = torch.tensor([float(received or 0)], device=self.device)
-            total = float(self.strategy.all_reduce_sum(flag))
-            return int(received or signal.SIGTERM) if total > 0 else None
+            flags = torch.tensor([float(received or 0), float(self.should_stop)], device=self.device)
+            signalled, stopping = self.strategy.all_reduce_sum(flags).tolist()
+            if stopping and not self.should_stop:
+                self.request_stop("another process's callback asked to stop")
+            return int(received or signal.SIGTERM) if signalled > 0 else None
         return received
 
     def _describe_setup(self) -> None:
@@ -345,7 +441,7 @@ class Trainer:
         log.info("Parameter groups:\n%s", format_groups(self.optimizer, self.frozen))
         plan = lr_plan(self.scheduler, self.optimizer, self.steps_per_epoch) if self.scheduler else {}
         write_json(self.run_dir / "param_groups.json", describe_groups(self.optimizer))
-        if self.step == 0:  # a resumed run already logged these
+        if self.progress.step == 0:  # a resumed run already logged these
             for name, points in plan.items():
                 for step, lr in points:
                     self.logger.log_metrics({f"lr_plan/{name}": lr}, step)
@@ -363,29 +459,37 @@ class Trainer:
             log.info("Dry run: everything built; exiting without training (trainer.dry_run=true).")
 
     def _finished(self) -> bool:
+        if self.stop_reason:  # a callback stopped the run (on resume: one that stops it again in on_fit_start)
+            return True
         if self.max_steps > 0:  # max_steps, when set, alone decides the length of the run
-            return self.step >= self.max_steps
-        return self.epoch >= self.max_epochs
+            return self.progress.step >= self.max_steps
+        return self.progress.epoch >= self.max_epochs
 
     # ------------------------------------------------------------------ one epoch of training
     def _train_epoch(self, watch: Any) -> None:
         """The hot loop. Everything reached per batch is bound to a local first, and nothing in it reads the
-        config, syncs with the device or allocates beyond the step itself (bench/overhead.py measures it)."""
-        self.task.train()
-        self.bar.start_epoch(self.epoch, self.train_batches, initial=self.batch_in_epoch)
-        batches = iter(itertools.islice(self.data.batches("train", self.epoch, start_batch=self.batch_in_epoch),
-                                        self.train_batches - self.batch_in_epoch))
-        training_step, batch_size, losses = self.task.training_step, self.task.batch_size, self._losses
+        config, syncs with the device or allocates beyond the step itself (bench/overhead.py measures it).
+        A callback hook nobody implements is not called at all."""
+        p, task = self.progress, self.task
+        task.train()
+        self.callbacks.call("on_train_epoch_start", self, task)
+        self.bar.start_epoch(p.epoch, self.train_batches, initial=p.batch_in_epoch)
+        batches = iter(itertools.islice(self.data.batches("train", p.epoch, start_batch=p.batch_in_epoch),
+                                        self.train_batches - p.batch_in_epoch))
+        training_step, batch_size, losses = task.training_step, task.batch_size, self.window.losses
         precision, bar, checkpoints = self.precision, self.bar if self.bar.enabled else None, self.checkpoints
         autocast = precision.autocast if precision.dtype is not None else None
         to_device = None if self.device.type == "cpu" else move_to  # batches are made on the CPU
-        no_sync = self.strategy.no_sync(self.task.model) if self.accumulate > 1 else None
+        no_sync = self.strategy.no_sync(task.model) if self.accumulate > 1 else None
         plain = contextlib.nullcontext()
-        accumulate, train_batches, log_every, max_steps = (self.accumulate, self.train_batches, self.log_every,
-                                                           self.max_steps)
+        batch_end = self.callbacks.bound("on_train_batch_end")
+        accumulate, train_batches, log_every, max_steps = (self.accumulate, self.train_batches,
+                                                           self.log_every_n_steps, self.max_steps)
+        val_every = self.val_every_n_steps if self.data.has("val") else 0
         periodic = checkpoints.every_n_steps > 0  # mid-epoch saves happen by step only
+        check_stop = self.on_signal or bool(self.callbacks.callbacks)
         clock = time.perf_counter
-        epoch_start, samples, first_batch, data_wait = clock(), 0, self.batch_in_epoch, 0.0
+        epoch_start, samples, first_batch, data_wait = clock(), 0, p.batch_in_epoch, 0.0
         while True:
             waited_from = clock()
             batch = next(batches, None)
@@ -394,115 +498,142 @@ class Trainer:
                 break
             if to_device is not None:
                 batch = to_device(batch, self.device)
-            steps_now = accumulate == 1 or (self.batch_in_epoch + 1) % accumulate == 0 \
-                or self.batch_in_epoch + 1 == train_batches
+            steps_now = accumulate == 1 or (p.batch_in_epoch + 1) % accumulate == 0 \
+                or p.batch_in_epoch + 1 == train_batches
             with (plain if no_sync is None or steps_now else no_sync()):  # one all-reduce per optimizer step
                 if autocast is None:
-                    loss = training_step(batch).loss
+                    out = training_step(batch)
                 else:
                     with autocast():
-                        loss = training_step(batch).loss
+                        out = training_step(batch)
+                loss = out.loss
                 precision.backward(loss / accumulate if accumulate > 1 else loss)
             losses.append(loss.detach())
-            self.batch_in_epoch += 1
+            p.batch_in_epoch += 1
             samples += batch_size(batch)
             if bar is not None:
                 bar.update()
             if steps_now:
                 self._optimizer_step()
-                if self.step % log_every == 0:
-                    self._flush_train_log()
-                if self.on_signal:
-                    signum = self._stop_signal(watch)
-                    if signum is not None:
-                        self._stop(signum)
-                # Mid-epoch only: a checkpoint at an epoch's end waits until after its validation.
-                if periodic and self.batch_in_epoch < train_batches and checkpoints.due_periodic(self.step):
-                    checkpoints.save(self.step, self._write_checkpoint, periodic=True)
-                if 0 < max_steps <= self.step:
-                    break
+            if batch_end is not None:
+                batch_end(self, task, out, batch, p.batch_in_epoch - 1)
+            if not steps_now:
+                continue
+            if p.step % log_every == 0:
+                self._flush_train_log()
+            if check_stop:
+                signum = self._agreed_stop(watch)
+                if signum is not None:
+                    self._stop(signum)
+            mid_epoch = p.batch_in_epoch < train_batches  # at an epoch's end, _end_epoch validates and saves
+            if mid_epoch and val_every and p.step % val_every == 0:
+                val = self._validation_round()
+                checkpoints.save(self.state, p.step, periodic=periodic and checkpoints.due_periodic(p.step),
+                                 metrics=val)
+            elif mid_epoch and periodic and checkpoints.due_periodic(p.step):
+                checkpoints.save(self.state, p.step, periodic=True)
+            if self.stop_reason or 0 < max_steps <= p.step:
+                break
         seconds = clock() - epoch_start
-        batches_run = self.batch_in_epoch - first_batch
+        batches_run = p.batch_in_epoch - first_batch
         if batches_run and seconds > 0:
             self.logger.log_metrics({"perf/samples_per_s": samples / seconds,
                                      "perf/step_ms": 1000 * seconds / batches_run,
                                      "perf/data_wait_frac": data_wait / seconds,
-                                     "perf/max_memory_mb": _max_memory_mb(self.device)}, self.step)
+                                     "perf/max_memory_mb": _max_memory_mb(self.device)}, p.step)
         self.logger.flush()
 
     def _optimizer_step(self) -> None:
-        stepped = self.precision.step(self.optimizer, self.params, self._clip_norm, self._clip_value)
+        stepped = self.precision.step(self.optimizer, self.params, self._clip_norm, self._clip_value,
+                                      before_step=self._before_step)
+        if self._before_zero_grad is not None:
+            self._before_zero_grad(self, self.task, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
+        self.progress.step += 1
         # The scheduler follows the optimizer, and does not advance for a step the GradScaler skipped.
         s = self.scheduler
-        if stepped and s is not None and s.interval == "step" and self.step % s.frequency == 0:
+        if stepped and s is not None and s.interval == "step" and s.monitor is None \
+                and self.progress.step % s.frequency == 0:
             s.scheduler.step()
 
-    def _window_losses(self) -> torch.Tensor:
-        """The losses of the current logging window as one tensor (on the device; no sync)."""
-        if not self._losses:
-            return torch.zeros(0, device=self.device)
-        return torch.stack([loss.reshape(()) for loss in self._losses]).float()  # a loss of shape [1] too
-
     def _flush_train_log(self) -> None:
-        """Log the window's mean loss (the one host sync of the window) and stop if any loss was not finite."""
-        if not self._losses:
+        """Log the window's mean loss and every value given to log() (one host sync for all of them), and stop if
+        any loss was not finite."""
+        window = self.window
+        if not window.losses:
             return
-        losses = self._window_losses()
+        losses = window.tensor()
         finite = torch.isfinite(losses)
-        mean, all_finite = torch.stack([losses.mean(), finite.all().float()]).tolist()
+        logged = {name: v for name, v in self._logged.items() if isinstance(v, torch.Tensor)}
+        mean, all_finite, *values = torch.stack([losses.mean(), finite.all().float(),
+                                                 *(v.reshape(()).float() for v in logged.values())]).tolist()
         if not all_finite:
             first = int((~finite).nonzero()[0])
-            bad_step = self._window_first_step + first // self.accumulate + 1
+            bad_step = window.first_step + first // self.accumulate + 1
             epoch = (bad_step - 1) // self.steps_per_epoch
             raise UserError(f"train/loss became {losses[first].item()} at step {bad_step} (epoch {epoch}); "
                             f"training stopped, and what was already written in {self.run_dir} is kept. "
                             "Expected a finite loss: try a lower optimizer.lr or set trainer.grad_clip_norm")
-        metrics = {"train/loss": mean, "epoch": float(self.epoch)}
-        for name, group in zip(group_names(self.optimizer), self.optimizer.param_groups):
+        metrics = {"train/loss": mean, "epoch": float(self.progress.epoch)}
+        for name, group in zip(self.param_group_names, self.optimizer.param_groups):
             metrics[f"lr/{name}"] = group["lr"]
         if self.precision.scaler is not None:
             metrics["amp/scale"] = self.precision.scaler.get_scale()
             metrics["amp/skipped_steps"] = float(self.precision.skipped_steps)
-        self.logger.log_metrics(metrics, self.step)
+        metrics.update({k: v for k, v in self._logged.items() if not isinstance(v, torch.Tensor)})
+        metrics.update(zip(logged, values))
+        self._logged.clear()
+        self.logger.log_metrics(metrics, self.progress.step)
         self.bar.show({"train/loss": mean})
         self._record({"train/loss": mean})
-        self._losses.clear()  # in place: _train_epoch holds this list
-        self._window_first_step = self.step
+        window.losses.clear()  # in place: _train_epoch holds this list
+        window.first_step = self.progress.step
 
     def _stop(self, signum: int) -> None:
         """Save `last` at this exact position (mid-epoch included), then end the run."""
         self.bar.close()
-        self._write_checkpoint(self.checkpoints.folder / "last" if self.checkpoints.enabled else None)
+        self.checkpoints.save_now(self.state, self.progress.step, "last")
         self.checkpoints.writer.wait()
-        name = signal.Signals(signum).name
-        raise Interrupted(signum, f"Stopped by {name} at step {self.step} (epoch {self.epoch}, batch "
-                                  f"{self.batch_in_epoch}); saved {self.checkpoints.folder / 'last'}. "
+        p = self.progress
+        raise Interrupted(signum, f"Stopped by {signal.Signals(signum).name} at step {p.step} (epoch {p.epoch}, "
+                                  f"batch {p.batch_in_epoch}); saved {self.checkpoints.folder / 'last'}. "
                                   f"Resume with: python run.py resume={self.run_dir}")
 
     # ------------------------------------------------------------------ evaluation
     def _validate(self) -> dict[str, float]:
+        self.callbacks.call("on_validation_start", self, self.task)
         metrics = self._evaluate("val")
         self._record(metrics)
         for name, value in metrics.items():  # best over the run: the lowest loss, the highest of the rest
             best = self.metrics.get(f"best/{name}", value)
             self.metrics[f"best/{name}"] = min(best, value) if "loss" in name else max(best, value)
-        self._last_val_step = self.step
+        self.progress.last_val_step = self.progress.step
+        self.progress.validations += 1
+        self.callbacks.call("on_validation_end", self, self.task, metrics)
         return metrics
 
-    def _epoch_scheduler_step(self, val: Optional[dict[str, float]]) -> None:
-        """The one place an epoch scheduler steps: once per completed epoch (every `frequency`), whether or not
-        validation ran; one that monitors a metric steps only after the validation that produced it."""
+    def _validation_round(self) -> dict[str, float]:
+        """A validation during training (by epoch or by step), then the scheduler that monitors its metric."""
+        val = self._validate()
         s = self.scheduler
-        if s is None or s.interval != "epoch" or self.epoch % s.frequency != 0:
-            return
-        if s.monitor is None:
-            s.scheduler.step()
-        elif val is not None:
+        if s is not None and s.monitor is not None and self.progress.validations % s.frequency == 0:
             if s.monitor not in val:
                 raise ConfigError(f"scheduler.monitor={s.monitor!r}: no such metric; expected one of {', '.join(val)}")
             s.scheduler.step(val[s.monitor])
+        return val
+
+    def _epoch_scheduler_step(self) -> None:
+        """The one place an epoch scheduler steps: once per completed epoch (every `frequency`), whether or not
+        validation ran. One that monitors a metric steps after each validation instead (_validation_round)."""
+        s = self.scheduler
+        if s is not None and s.interval == "epoch" and s.monitor is None and self.progress.epoch % s.frequency == 0:
+            s.scheduler.step()
+
+    def _test(self) -> None:
+        self.callbacks.call("on_test_start", self, self.task)
+        metrics = self._evaluate("test")
+        self._record(metrics)
+        self.callbacks.call("on_test_end", self, self.task, metrics)
 
     @torch.no_grad()
     def _evaluate(self, split: str) -> dict[str, float]:
@@ -533,7 +664,7 @@ class Trainer:
         totals = self.strategy.all_reduce_sum(totals)
         values = (totals[:-1] / totals[-1]).tolist() if totals[-1] > 0 else [math.nan] * len(names)
         metrics = {f"{split}/{name}": value for name, value in zip(names, values)}
-        self.logger.log_metrics(metrics, self.step)
+        self.logger.log_metrics(metrics, self.progress.step)
         return metrics
 
     # ------------------------------------------------------------------ results
@@ -543,7 +674,8 @@ class Trainer:
     def _summary(self, seconds: float) -> dict[str, Any]:
         summary: dict[str, Any] = dict(self.metrics)
         best = self.checkpoints.best_path()
-        summary.update(status="ok", step=self.step, epoch=self.epoch, seconds=round(seconds, 3),
+        p = self.progress
+        summary.update(status="ok", step=p.step, epoch=p.epoch, seconds=round(seconds, 3),
                        world_size=self.strategy.world_size, precision=self.precision.name,
-                       best_checkpoint=str(best) if best is not None else None)
+                       best_checkpoint=str(best) if best is not None else None, stopped=self.stop_reason or None)
         return summary

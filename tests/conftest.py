@@ -44,7 +44,10 @@ def compose() -> Iterator:
     """compose(*overrides) -> the composed DictConfig, exactly as run.py would get it (Hydra's compose API)."""
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    import framework.app  # noqa: F401  (registers the structured-config schemas)
+    import framework.app  # noqa: F401  (the resolvers conf/config.yaml uses)
+    import framework.config
+
+    framework.config.register()  # the schemas conf/ is composed against
 
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict

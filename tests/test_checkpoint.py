@@ -137,8 +137,7 @@ def test_best_k_selection_with_a_metric_that_goes_up_and_down(tmp_path):
     """The same policy without training, on a metric chosen so that the 3 best are not the 3 newest."""
     manager = CheckpointManager(tmp_path, save_last=True, monitor="val/loss", mode="min", save_top_k=3)
     for step, loss in enumerate([0.5, 0.2, 0.9, 0.1, 0.3, 0.4], start=1):
-        manager.save(step, lambda path, step=step: small_checkpoint(path, step), periodic=False,
-                     metrics={"val/loss": loss})
+        manager.save(Snapshot(step), step, periodic=False, metrics={"val/loss": loss})
     assert {p.name for p in tmp_path.iterdir()} == {"last", "best", "step-2", "step-4", "step-5"}
     assert step_of(tmp_path / "best") == 4 and step_of(tmp_path / "last") == 6
 
@@ -161,6 +160,17 @@ def test_checkpoint_none_writes_no_checkpoints_dir(compose, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- 2. atomicity
+class Snapshot:
+    """A fixed checkpoint content, as the trainer's TrainingState.collect() gives one."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def collect(self):
+        return ({"w": torch.full((3,), float(self.step))}, {"opt": {"m": torch.ones(2) * self.step}},
+                {"step": self.step, "config": {}})
+
+
 def small_checkpoint(path: Path, step: int) -> None:
     write_checkpoint(path, {"w": torch.full((3,), float(step))}, {"opt": {"m": torch.ones(2) * step}},
                      {"step": step, "config": {}})
@@ -276,13 +286,10 @@ def test_a_failed_background_save_prunes_nothing(tmp_path):
     periodic checkpoint (the only one left with keep_last=1) would go."""
     manager = CheckpointManager(tmp_path, every_n_steps=1, keep_last=1, async_save=True)
 
-    def write(path, step):
-        manager.writer.write(path, {"w": torch.full((3,), float(step))}, {}, {"step": step, "config": {}})
-
-    manager.save(1, lambda path: write(path, 1), periodic=True)
+    manager.save(Snapshot(1), 1, periodic=True)
     manager.writer.wait()
     (tmp_path / "step-2.tmp").write_text("in the way")  # the save of step 2 cannot create its folder
-    manager.save(2, lambda path: write(path, 2), periodic=True)
+    manager.save(Snapshot(2), 2, periodic=True)
     with pytest.raises(OSError):
         manager.writer.wait()
     assert open_checkpoint(tmp_path / "step-1").step == 1

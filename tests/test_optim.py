@@ -236,7 +236,7 @@ def test_dry_run_prints_summary_groups_and_plan_without_training(compose, tmp_pa
     before = [p.detach().clone() for p in trainer.task.parameters()]
     trainer.fit()
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.task.parameters()))
-    assert trainer.step == 0 and not (tmp_path / "summary.json").exists()
+    assert trainer.global_step == 0 and not (tmp_path / "summary.json").exists()
     text = caplog.text
     assert "Linear" in text and "total params: 85,002" in text and "no_decay" in text and "LR plan" in text
 
@@ -269,7 +269,7 @@ def test_an_epoch_scheduler_follows_its_plan_whatever_the_validation_cadence(com
     """Stepped once per completed epoch, not inside validation: with StepLR(step_size=1, gamma=0.5) over 4 epochs
     the LR used to end at 0.00625, 0.025 or 0.1 depending on how often validation ran."""
     cadence = {"every epoch": ("trainer.val_every_n_epochs=1",), "every second epoch": ("trainer.val_every_n_epochs=2",),
-               "no val split": ("data.val=null",)}[validation]
+               "no val split": ("data.val=null", "callbacks.early_stopping=null")}[validation]
     shape = ("scheduler.step_size=1", "scheduler.gamma=0.5") if preset == "step" else \
         ("scheduler.milestones=[1,3]",) if preset == "multistep" else ()
     cfg = compose(f"scheduler={preset}", *shape, *cadence, "trainer.max_epochs=4", "trainer.limit_train_batches=2",
@@ -287,4 +287,4 @@ def test_an_epoch_scheduler_follows_its_plan_whatever_the_validation_cadence(com
 
 def test_a_monitored_scheduler_without_a_val_split_is_refused_at_start(compose, tmp_path):
     with pytest.raises(ConfigError, match=r"scheduler.monitor='val/loss': this run has no validation split"):
-        Trainer(compose("scheduler=plateau", "data.val=null", "checkpoint=none"), tmp_path)
+        Trainer(compose("scheduler=plateau", "data.val=null", "checkpoint=none", "callbacks=none"), tmp_path)

@@ -43,7 +43,7 @@ def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
     last = run_dir / "checkpoints" / "last"
     return {**load_file(str(last / "model.safetensors")),
             **{f"state:{k}": v for k, v in load_file(str(last / "state.safetensors")).items()
-               if k.startswith("/optimizer")}}
+               if k.startswith(("/optimizer", "/callbacks"))}}
 
 
 def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

@@ -77,7 +77,10 @@ def composed(*overrides: str) -> DictConfig:
     """The job's config with `hydra.runtime.choices` (which option each group got), as run.py composes it."""
     from hydra import compose, initialize_config_dir
 
-    import framework.app  # noqa: F401  (registers the structured-config schemas)
+    import framework.app  # noqa: F401  (the resolvers conf/config.yaml uses)
+    import framework.config
+
+    framework.config.register()  # the schemas conf/ is composed against
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides), return_hydra_config=True)

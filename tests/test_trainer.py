@@ -31,7 +31,7 @@ def test_accumulating_two_half_batches_equals_one_full_batch(compose, tmp_path):
     half = make_trainer(compose, tmp_path / "a", *common, "data.batch_size=32", "trainer.accumulate_grad_batches=2")
     full = make_trainer(compose, tmp_path / "b", *common, "data.batch_size=64")
     half.fit(), full.fit()
-    assert half.step == full.step == 5
+    assert half.global_step == full.global_step == 5
     for name, value in weights(full).items():
         torch.testing.assert_close(weights(half)[name], value, rtol=1e-5, atol=1e-6)
 
@@ -61,11 +61,11 @@ def test_limit_train_batches_as_count_and_as_fraction(compose, tmp_path):
     count = make_trainer(compose, tmp_path / "a", "trainer.max_epochs=2", "trainer.limit_train_batches=3",
                          "trainer.test=false")
     count.fit()
-    assert (count.step, count.epoch) == (6, 2)
+    assert (count.global_step, count.current_epoch) == (6, 2)
     fraction = make_trainer(compose, tmp_path / "b", "trainer.max_epochs=1", "trainer.limit_train_batches=0.5",
                             "trainer.test=false")
     fraction.fit()
-    assert fraction.step == 10
+    assert fraction.global_step == 10
 
 
 def test_max_steps_decides_the_length_and_may_stop_mid_epoch(compose, tmp_path):

@@ -1,0 +1,154 @@
+"""One home for a run's resumable state.
+
+Every stateful piece of a run registers here once, by name, as an object with `state_dict()` and
+`load_state_dict()`: the model (its weights go to `model.safetensors`), the optimizer, the scheduler, precision's
+GradScaler, the loop's position (`Progress`), the checkpoint registry, the metrics, the callbacks and every
+rank's RNG. A checkpoint is `TrainingState.collect()`; a resume is `check()` (every part against its live
+counterpart, before any is loaded, so a checkpoint that does not fit leaves nothing half-restored) then
+`load()`. New resumable state is one `register` call.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+
+from framework import reproducibility
+from framework.checkpoint import DamagedCheckpoint, validate_rng_state, validate_state
+
+log = logging.getLogger(__name__)
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+# check(saved_part, where): raise DamagedCheckpoint unless the saved part fits the live one.
+Check = Callable[[Any, str], None]
+
+
+@dataclass
+class Progress:
+    """Where the loop is: what an exact resume continues from, and what a checkpoint's meta.json reports."""
+
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0  # epochs completed
+    batch_in_epoch: int = 0  # batches of the current epoch already consumed
+    last_val_step: int = -1  # the step of the latest validation
+    validations: int = 0  # validations run (a monitored scheduler's `frequency` counts these)
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for f in fields(self):
+            if f.name in state:
+                setattr(self, f.name, state[f.name])
+
+    def check_state_dict(self, saved: Any, where: str) -> None:
+        # Checkpoints written before a field existed lack it: it keeps its default.
+        live = self.state_dict()
+        if isinstance(saved, dict):
+            saved = {**{k: v for k, v in live.items() if k not in saved}, **saved}
+        validate_state(saved, live, where)
+
+    def position(self) -> dict[str, int]:
+        return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+
+
+class Values:
+    """A dict of plain values (the run's metrics) as a stateful part; the dict object itself is kept."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.values)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.values.clear()
+        self.values.update(state)
+
+
+class RngState:
+    """Every rank's RNG streams (gathered to rank 0 on save; each rank restores its own on resume)."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+
+    def state_dict(self) -> dict[str, Any]:
+        states = self.strategy.gather_objects(reproducibility.rng_state())  # a collective: every rank saves
+        return {f"rank{rank}": state for rank, state in enumerate(states)}
+
+    def _own(self, state: dict[str, Any]) -> Any:
+        return state.get(f"rank{self.strategy.rank}", state["rank0"])
+
+    def check_state_dict(self, saved: Any, where: str) -> None:
+        if not isinstance(saved, dict) or "rank0" not in saved:
+            raise DamagedCheckpoint(f"{where}: no rank0; expected every rank's RNG state")
+        validate_rng_state(self._own(saved), f"{where}/rank{self.strategy.rank}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if f"rank{self.strategy.rank}" not in state:
+            log.warning("resume: the checkpoint has no RNG state for rank %d (it ran with %d processes); random "
+                        "streams restart from rank 0's", self.strategy.rank, len(state))
+        reproducibility.set_rng_state(self._own(state))
+
+
+@dataclass
+class _Part:
+    obj: Stateful
+    check: Check
+    optional: bool  # may be absent from a checkpoint (written before it existed): it then starts fresh
+
+
+class TrainingState:
+    """The registry. `model` is a callable returning the module whose weights are saved (the unwrapped one)."""
+
+    def __init__(self, model: Callable[[], torch.nn.Module], progress: Progress, metrics: dict[str, float],
+                 info: dict[str, Any]) -> None:
+        self.model, self.progress, self.info = model, progress, info
+        self.parts: dict[str, _Part] = {}
+        self.register("loop", progress, check=progress.check_state_dict)
+        self.register("metrics", Values(metrics), check=lambda saved, where: validate_state(saved, {}, where))
+
+    def register(self, name: str, obj: Stateful, check: Optional[Check] = None, optional: bool = False) -> None:
+        """`check(saved, where)` raises DamagedCheckpoint unless the saved part fits; by default the saved part
+        must have the structure, dtypes and shapes of `obj.state_dict()` now (`validate_state`)."""
+        if name in self.parts:
+            raise ValueError(f"state part {name!r} is registered twice")
+        default = (lambda saved, where: validate_state(saved, obj.state_dict(), where))
+        self.parts[name] = _Part(obj, check or default, optional)
+
+    def collect(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+        """(model weights, state, meta) as a checkpoint holds them. Runs on every rank: parts may gather."""
+        state = {name: part.obj.state_dict() for name, part in self.parts.items()}
+        meta = {**self.progress.position(), "metrics": state["metrics"], **self.info}
+        return self.model().state_dict(), state, meta
+
+    def check(self, state: Any, where: str, skip: tuple[str, ...] = ()) -> None:
+        """Every registered part of `state` against its live counterpart; nothing is loaded."""
+        if not isinstance(state, dict):
+            raise DamagedCheckpoint(f"{where}: its state is {type(state).__name__}; expected a dict of parts")
+        missing = [n for n, p in self.parts.items() if n not in state and n not in skip and not p.optional]
+        if missing:
+            raise DamagedCheckpoint(f"{where}: its state lacks {', '.join(missing)}; expected a checkpoint written by "
+                                    "this framework")
+        for name, part in self.parts.items():
+            if name in state and name not in skip:
+                part.check(state[name], f"{where}: {name}")
+
+    def load(self, state: dict[str, Any], skip: tuple[str, ...] = ()) -> None:
+        """Load every registered part `state` holds (after `check`), in registration order."""
+        for name, part in self.parts.items():
+            if name in skip:
+                continue
+            if name in state:
+                part.obj.load_state_dict(state[name])
+            else:
+                log.warning("resume: the checkpoint has no %s state (written before it was saved); it starts fresh",
+                            name)
