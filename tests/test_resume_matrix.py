@@ -10,6 +10,7 @@ signal comes from tests/killhook/sitecustomize.py after a chosen optimizer step,
 the task, model or optimizer a preset brings. The combination of the original report is its own test."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -139,6 +140,55 @@ def test_issue_combination_killed_at_a_random_step_resumes_bit_exact(tmp_path):
     assert killed.returncode == -signal.SIGKILL, output(killed)
     assert 0 < resumed_step(resumed) <= kill_at
     assert_identical(whole, final_state(tmp_path / "killed"))
+
+
+def callback_values(run_dir: Path) -> dict:
+    """The callbacks' saved state without its tensors (those are in final_state): early stopping's counters."""
+    from framework.checkpoint import open_checkpoint
+
+    state = open_checkpoint(run_dir / "checkpoints" / "last").state()["callbacks"]
+    return {name: {k: v for k, v in part.items() if not isinstance(v, (torch.Tensor, dict))}
+            for name, part in state.items()}
+
+
+# Runs whose callbacks hold state, killed twice at random steps (the second kill a number of steps into the
+# resumed process) and resumed each time: they must end as the run never interrupted, EMA weights, early
+# stopping counters and the step it stopped at included.
+KILLED_TWICE = {
+    # Early stopping ends this run around step 70 of 200 (no improvement of 0.02 for 2 validations).
+    "ema+early_stopping": ("callbacks=[default,ema]", "callbacks.ema.decay=0.9", "callbacks.early_stopping.patience=2",
+                           "callbacks.early_stopping.min_delta=0.02", "trainer.max_steps=200",
+                           "trainer.limit_train_batches=10", "checkpoint.every_n_steps=7"),
+    # Validation every 4 steps (epochs of 10): killed between two of them; top-k, a plateau scheduler and early
+    # stopping act on those validations.
+    "val_every_n_steps": ("trainer.val_every_n_steps=4", "checkpoint=best_k", "checkpoint.every_n_steps=3",
+                          "scheduler=plateau", "scheduler.patience=0", "callbacks.early_stopping.patience=50",
+                          "trainer.max_steps=60", "trainer.limit_train_batches=10"),
+}
+
+
+@pytest.mark.parametrize("case", list(KILLED_TWICE))
+def test_callback_state_survives_two_kills_at_random_steps_bit_exact(case, tmp_path):
+    overrides = ("logger.progress_bar=false", "trainer.device=cpu", "trainer.log_every_n_steps=5", "trainer.test=false",
+                 "model.dropout=0.2", *KILLED_TWICE[case])
+    whole = tmp_path / "whole"
+    assert run_cli(whole, *overrides, fast=False, env=ENV).returncode == 0
+    rng = random.Random(case)
+    killed = tmp_path / "killed"
+    pythonpath = os.pathsep.join(filter(None, (str(KILLHOOK), os.environ.get("PYTHONPATH"))))
+    first, second = rng.randint(5, 30), rng.randint(3, 20)
+    for run_args, kill_at in (((killed, *overrides), first), ((None, f"resume={killed}"), second)):
+        proc = run_cli(*run_args, fast=False, env={**ENV, "PYTHONPATH": pythonpath, "KILL_AT_STEP": str(kill_at),
+                                                   "KILL_SIGNAL": "SIGKILL"})
+        assert proc.returncode == -signal.SIGKILL, output(proc)
+    resumed = run_cli(None, f"resume={killed}", fast=False, env=ENV)
+    assert resumed.returncode == 0, output(resumed)
+    assert_identical(final_state(whole), final_state(killed))
+    assert callback_values(killed) == callback_values(whole)
+    ends = [json.loads((run / "summary.json").read_text()) for run in (whole, killed)]
+    assert [(e["step"], e["stopped"]) for e in ends[1:]] == [(ends[0]["step"], ends[0]["stopped"])]
+    if case == "ema+early_stopping":
+        assert ends[0]["stopped"].startswith("early stopping") and ends[0]["step"] < 200
 
 
 @pytest.mark.parametrize(("group", "option", "kill_signal"), MATRIX)
