@@ -263,6 +263,7 @@ class Trainer:
                     if self.progress.batch_in_epoch >= self.train_batches:  # a whole epoch, not a stop mid-epoch
                         self._end_epoch()
             self._flush_train_log()
+            self.bar.close()
             if self.stop_reason and self.strategy.is_rank_zero:
                 log.warning("Stopped at step %d (epoch %d): %s", self.progress.step, self.progress.epoch,
                             self.stop_reason)
