@@ -391,8 +391,10 @@ class Trainer:
         for name, callback in self.callbacks:
             if name in saved:
                 validate_state(saved[name], callback.state_dict(), f"{where}/{name}")
+            elif callback.state_dict():
+                log.info("resume: callbacks.%s is new in this run: it starts fresh", name)
         for name in saved:
-            if name not in self.callbacks.callbacks:
+            if name not in self.callbacks.callbacks and saved[name]:
                 log.warning("resume: %s/%s is not configured in this run; its saved state is not used", where, name)
 
     def _restore(self, checkpoint: Checkpoint) -> None:
