@@ -36,6 +36,31 @@ class Task(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+        self.trainer: Any = None  # the Trainer running this task (set by it); None outside a run
+
+    def log(self, name: str, value: Any, *, on_step: Optional[bool] = None, on_epoch: Optional[bool] = None,
+            prog_bar: bool = False) -> None:
+        """Lightning's `self.log`, from a step or a hook: a scalar (a tensor stays on the device; no sync per
+        step). `name` is logged as given (say `train/foo`). Defaults as in Lightning: in training, every
+        logging step (`on_step`) and not as an epoch mean; in validation and test, the epoch mean only.
+        `prog_bar`: also shown in the progress bar. Outside a run it does nothing."""
+        if self.trainer is not None:
+            self.trainer.log_from_task(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar)
+
+    @property
+    def logger(self) -> Any:
+        """The run's TensorBoard logger (`self.logger.experiment` is the SummaryWriter, for images, histograms
+        and text; None on ranks other than 0 and when TensorBoard is off), or None outside a run."""
+        return self.trainer.logger if self.trainer is not None else None
+
+    def epoch_metrics(self, split: str) -> dict[str, torch.Tensor]:
+        """Stateful metrics (e.g. torchmetrics) of the evaluation of `split` ("val" or "test") that just ended,
+        computed over every batch and every rank, then reset. The trainer calls it on every rank after the
+        last batch, and logs each as `<split>/<name>`. None by default."""
+        return {}
+
+    def on_validation_epoch_end(self) -> None:
+        """After each validation, on every rank (log images or histograms here through self.logger)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)

@@ -27,12 +27,13 @@ from framework.checkpoint import (Checkpoint, CheckpointManager, CheckpointSaveE
 from framework.data import DataModule
 from framework.errors import ConfigError, Interrupted, UserError
 from framework.instantiate import build
-from framework.loggers import ProgressBar, TensorBoardLogger, print_summary, write_json
+from framework.loggers import TensorBoardLogger, print_summary, write_json
 from framework.model_summary import summarize
 from framework.optim import (apply_changed_options, build_optimizer, build_scheduler, changed_options,
                              check_optimizer_state, describe_groups, format_groups, group_names, lr_plan)
 from framework.parallel import build_strategy
 from framework.precision import Precision
+from framework.progress import ProgressBar
 from framework.signals import SignalWatch
 from framework.state import Progress, RngState, TrainingState
 from framework.task import Task
