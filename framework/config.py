@@ -49,6 +49,7 @@ class TrainerConfig:
 class LoggerConfig:
     tensorboard: bool = True
     progress_bar: bool = True
+    progress_every_s: float = 30.0  # output that is not a terminal: also a line every N seconds within an epoch
 
 
 class Mode(str, Enum):
@@ -260,6 +261,8 @@ def validate(cfg: DictConfig) -> None:
     anything is built."""
     check_closed_keys(cfg)
     _check_trainer(cfg.trainer)
+    _require(cfg.logger.progress_every_s > 0, "logger.progress_every_s", cfg.logger.progress_every_s,
+             "a number of seconds > 0")
     _check_callbacks(cfg.get("callbacks", DictConfig({})))
     _check_checkpoint(cfg.checkpoint, cfg.data)
     _check_parallel(cfg.parallel, cfg.trainer.device)

@@ -33,7 +33,7 @@ from framework.optim import (apply_changed_options, build_optimizer, build_sched
                              check_optimizer_state, describe_groups, format_groups, group_names, lr_plan)
 from framework.parallel import build_strategy
 from framework.precision import Precision
-from framework.progress import ProgressBar
+from framework.progress import ProgressBar, file_only
 from framework.signals import SignalWatch
 from framework.state import Progress, RngState, TrainingState
 from framework.task import Task
@@ -77,26 +77,45 @@ def _limit(limit: Union[int, float], available: int) -> int:
     return min(limit, available)
 
 
-class LossWindow:
-    """The per-batch losses since the last logging step, kept on the device (appending costs no kernel launch;
-    the one host sync is at the logging step), and the step the window started after."""
+class TrainLog:
+    """What training logs, kept on the device between logging steps (no host sync per step):
+    - `losses`: the per-batch losses since the last logging step (appending costs no kernel launch), the step
+      that window started after, and how many of them an epoch's end already counted;
+    - `epoch_sums`/`epoch_counts`: running sums of the values logged as epoch means (`train/loss` among them).
+    All of it is saved, so a resumed run logs the same curves as one never interrupted."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.losses: list[torch.Tensor] = []
         self.first_step = 0
+        self.counted = 0  # leading entries of `losses` already in this epoch's (or the last epoch's) loss sum
+        self.epoch_sums: dict[str, torch.Tensor] = {}
+        self.epoch_counts: dict[str, int] = {}
 
     def tensor(self) -> torch.Tensor:
         if not self.losses:
             return torch.zeros(0, device=self.device)
         return torch.stack([loss.reshape(()) for loss in self.losses]).float()  # a loss of shape [1] too
 
+    def add(self, name: str, total: torch.Tensor, count: int) -> None:
+        self.epoch_sums[name] = self.epoch_sums[name] + total if name in self.epoch_sums else total
+        self.epoch_counts[name] = self.epoch_counts.get(name, 0) + count
+
+    def count_losses(self, losses: torch.Tensor) -> None:
+        """Add the window's losses not yet counted to the epoch's `train/loss` sum."""
+        if len(losses) > self.counted:
+            self.add("train/loss", losses[self.counted:].sum(), len(losses) - self.counted)
+        self.counted = len(losses)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"first_step": self.first_step, "losses": self.tensor()}
+        return {"first_step": self.first_step, "losses": self.tensor(), "counted": self.counted,
+                "epoch_sums": dict(self.epoch_sums), "epoch_counts": dict(self.epoch_counts)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.first_step = state["first_step"]
+        self.first_step, self.counted = state["first_step"], state["counted"]
         self.losses[:] = list(state["losses"].to(self.device).unbind())  # in place: the loop holds this list
+        self.epoch_sums = {k: v.to(self.device) for k, v in state["epoch_sums"].items()}
+        self.epoch_counts = dict(state["epoch_counts"])
 
 
 def build_callbacks(cfg: DictConfig) -> dict[str, Callback]:
@@ -144,6 +163,7 @@ class Trainer:
         self.task: Task = build(cfg.task, "task", partial=True, provided=("model",))(model=model)
         if not isinstance(self.task, Task):
             raise ConfigError(f"task._target_={cfg.task._target_!r}: expected a framework.task.Task subclass")
+        self.task.trainer = self  # for the task's log() and logger
         self.task.to(self.device)
         if cfg.get("init_from"):
             weights = load_weights(Path(cfg.init_from))
@@ -179,13 +199,18 @@ class Trainer:
         purge_step = resume_from.step + 1 if resume_from is not None else None
         self.logger = TensorBoardLogger(self.run_dir, enabled=rank_zero and cfg.logger.tensorboard
                                         and not self.fast_dev_run and not t.dry_run, purge_step=purge_step)
-        self.bar = ProgressBar(enabled=rank_zero and cfg.logger.progress_bar)
+        self.bar = ProgressBar(enabled=rank_zero and cfg.logger.progress_bar, every_s=cfg.logger.progress_every_s)
 
         self.progress = Progress()
         self.stop_reason = ""  # why a callback stopped the run; not saved: on resume, callbacks decide again
         self.metrics: dict[str, float] = {}  # latest value of every metric, for the summary and the callbacks
-        self.window = LossWindow(self.device)
+        self.window = TrainLog(self.device)
         self._logged: dict[str, Any] = {}  # values given to log(), written at the next logging step
+        self._stage = "train"  # what log_from_task is called during: train, val or test
+        self._eval_logged: dict[str, list] = {}  # name -> [sum, count] of values a task logged in an evaluation
+        self._bar_names: set[str] = set()  # what the task asked to see in the progress bar
+        self._started_at = (time.perf_counter(), 0)  # (when fit started, at which step): for the ETA
+        self._epoch_rate = 0.0  # samples/s of the latest epoch
         self._clip_norm, self._clip_value = t.grad_clip_norm, t.grad_clip_value  # no config access per step
         before_step = self.callbacks.bound("on_before_optimizer_step")
         self._before_step = (lambda: before_step(self, self.task, self.optimizer)) if before_step else None
@@ -244,11 +269,30 @@ class Trainer:
         """A scalar for TensorBoard at the next logging step (a tensor is read then, with the loss: no sync)."""
         self._logged[name] = value.detach() if isinstance(value, torch.Tensor) else value
 
+    def log_from_task(self, name: str, value: Any, *, on_step: Optional[bool] = None, on_epoch: Optional[bool] = None,
+                      prog_bar: bool = False) -> None:
+        """Task.log: in training, `on_step` (default) at the next logging step, `on_epoch` as the epoch's mean
+        (`<name>_epoch` when both); in validation and test, the mean over the evaluation (every rank's)."""
+        value = value.detach().float() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+        if prog_bar:
+            self._bar_names.add(name)
+        if self._stage != "train":
+            entry = self._eval_logged.setdefault(name, [torch.zeros((), device=self.device), 0])
+            entry[0] = entry[0] + value.to(self.device).reshape(())
+            entry[1] += 1
+            return
+        on_step = True if on_step is None else on_step
+        if on_step:
+            self._logged[name] = value
+        if on_epoch:
+            self.window.add(f"{name}_epoch" if on_step else name, value.reshape(()), 1)
+
     # ------------------------------------------------------------------ fit
     def fit(self) -> dict[str, Any]:
         start = time.perf_counter()
         if self.resume_from is not None:
             self._restore(self.resume_from)
+        self._started_at = (time.perf_counter(), self.progress.step)
         self._check_first_batches()
         self._describe_setup()
         if self.cfg.trainer.dry_run:
@@ -301,11 +345,41 @@ class Trainer:
         p.epoch += 1
         p.batch_in_epoch = 0
         self.callbacks.call("on_train_epoch_end", self, self.task)
+        train = self._log_epoch_means()
         due = p.epoch % self.cfg.trainer.val_every_n_epochs == 0 or self._val_due_by_step()
         val = self._validation_round() if self.data.has("val") and due and p.last_val_step != p.step else None
+        self._report_epoch(train, val)
         self._epoch_scheduler_step()
         periodic = self.checkpoints.due_periodic(p.step, completed_epochs=p.epoch)
         self.checkpoints.save(self.state, p.step, periodic=periodic, metrics=val)
+
+    def _log_epoch_means(self) -> dict[str, float]:
+        """The epoch's means of train/loss and of what the task logged `on_epoch` (one host sync per epoch)."""
+        window = self.window
+        window.count_losses(window.tensor())
+        names = list(window.epoch_sums)
+        if not names:
+            return {}
+        sums = torch.stack([window.epoch_sums[n].reshape(()).float() for n in names]).tolist()
+        means = {("train/loss_epoch" if n == "train/loss" else n): total / window.epoch_counts[n]
+                 for n, total in zip(names, sums)}
+        window.epoch_sums.clear()
+        window.epoch_counts.clear()
+        self.logger.log_metrics(means, self.progress.step)
+        self._record(means)
+        return means
+
+    def _report_epoch(self, train: dict[str, float], val: Optional[dict[str, float]]) -> None:
+        """The epoch's line (piped output) or the bar's closing state (a terminal), with the time left."""
+        if not self.bar.enabled:
+            return
+        started, first_step = self._started_at
+        p, elapsed = self.progress, time.perf_counter() - started
+        total = self.max_steps if self.max_steps > 0 else self.max_epochs * self.steps_per_epoch
+        eta = elapsed / (p.step - first_step) * max(0, total - p.step) if p.step > first_step else None
+        shown = {**{k: v for k, v in train.items() if k == "train/loss_epoch" or k in self._bar_names}, **(val or {})}
+        self.bar.end_epoch(p.step, {("train/loss" if k == "train/loss_epoch" else k): v for k, v in shown.items()},
+                           self._epoch_rate, eta)
 
     def _val_due_by_step(self) -> bool:
         return self.val_every_n_steps > 0 and self.progress.step % self.val_every_n_steps == 0
@@ -352,7 +426,8 @@ class Trainer:
                     out = self.task.check_batch(move_to(batch, self.device), split,
                                                 input_shape=self.data.input_shape, num_classes=self.data.num_classes)
                 if split == "val":  # a monitor naming no metric would otherwise fail after the first epoch
-                    names = ["val/loss", *(f"val/{name}" for name in out.metrics)]
+                    names = ["val/loss", *(f"val/{name}" for name in out.metrics),
+                             *(f"val/{name}" for name in self.task.epoch_metrics("val"))]  # (which resets them)
                     for key, monitor in self._monitors().items():
                         if monitor not in names:
                             raise ConfigError(f"{key}={monitor!r}: no such metric; expected one of {', '.join(names)}")
@@ -440,9 +515,11 @@ class Trainer:
         if not self.strategy.is_rank_zero:
             return
         per_device, world = self.data.batch_size, self.strategy.world_size
-        log.info("Global batch: %d per process x %d process%s x %d accumulated = %d samples per optimizer step",
-                 per_device, world, "es" if world > 1 else "", self.accumulate, per_device * world * self.accumulate)
-        log.info("Parameter groups:\n%s", format_groups(self.optimizer, self.frozen))
+        # In run.log (and param_groups.json); on the console too in a dry run, which is for reading them.
+        say = log.info if self.cfg.trainer.dry_run else (lambda msg, *args: file_only(msg % args, log))
+        say("Global batch: %d per process x %d process%s x %d accumulated = %d samples per optimizer step",
+            per_device, world, "es" if world > 1 else "", self.accumulate, per_device * world * self.accumulate)
+        say("Parameter groups:\n%s", format_groups(self.optimizer, self.frozen))
         plan = lr_plan(self.scheduler, self.optimizer, self.steps_per_epoch) if self.scheduler else {}
         write_json(self.run_dir / "param_groups.json", describe_groups(self.optimizer))
         if self.progress.step == 0:  # a resumed run already logged these
@@ -477,7 +554,8 @@ class Trainer:
         p, task = self.progress, self.task
         task.train()
         self.callbacks.call("on_train_epoch_start", self, task)
-        self.bar.start_epoch(p.epoch, self.train_batches, initial=p.batch_in_epoch)
+        self.bar.start_epoch(p.epoch, self.train_batches, initial=p.batch_in_epoch,
+                             max_epochs=0 if self.max_steps > 0 else self.max_epochs)
         batches = iter(itertools.islice(self.data.batches("train", p.epoch, start_batch=p.batch_in_epoch),
                                         self.train_batches - p.batch_in_epoch))
         training_step, batch_size, losses = task.training_step, task.batch_size, self.window.losses
@@ -513,6 +591,9 @@ class Trainer:
                 loss = out.loss
                 precision.backward(loss / accumulate if accumulate > 1 else loss)
             losses.append(loss.detach())
+            if out.metrics:  # a task's train metrics: train/<name> at logging steps and as epoch means
+                for name, value in out.metrics.items():
+                    self.log_from_task(f"train/{name}", value, on_step=True, on_epoch=True)
             p.batch_in_epoch += 1
             samples += batch_size(batch)
             if bar is not None:
@@ -541,6 +622,7 @@ class Trainer:
         seconds = clock() - epoch_start
         batches_run = p.batch_in_epoch - first_batch
         if batches_run and seconds > 0:
+            self._epoch_rate = samples / seconds
             self.logger.log_metrics({"perf/samples_per_s": samples / seconds,
                                      "perf/step_ms": 1000 * seconds / batches_run,
                                      "perf/data_wait_frac": data_wait / seconds,
@@ -588,10 +670,11 @@ class Trainer:
         metrics.update(zip(logged, values))
         self._logged.clear()
         self.logger.log_metrics(metrics, self.progress.step)
-        self.bar.show({"train/loss": mean})
+        self.bar.show({"train/loss": mean, **{k: v for k, v in metrics.items() if k in self._bar_names}})
         self._record({"train/loss": mean})
+        window.count_losses(losses)
         window.losses.clear()  # in place: _train_epoch holds this list
-        window.first_step = self.progress.step
+        window.first_step, window.counted = self.progress.step, 0
 
     def _stop(self, signum: int) -> None:
         """Save `last` at this exact position (mid-epoch included), then end the run."""
@@ -641,33 +724,52 @@ class Trainer:
 
     @torch.no_grad()
     def _evaluate(self, split: str) -> dict[str, float]:
-        """Average loss and metrics over `split`, weighted by batch size and reduced over all ranks."""
+        """Average loss and metrics over `split`, weighted by batch size and reduced over all ranks; what the task
+        logged (the mean of its values); and its stateful metrics (computed over every rank by the task)."""
         t = self.cfg.trainer
         limit = 1 if self.fast_dev_run else (t.limit_val_batches if split == "val" else t.limit_test_batches)
         step_fn = self.task.validation_step if split == "val" else self.task.test_step
         wrapped = self.task.model
         self.task.model = self.strategy.for_eval(wrapped)
         self.task.eval()
+        self._stage, self._eval_logged = split, {}
         sums: dict[str, torch.Tensor] = {}
         count = 0
-        for batch in itertools.islice(self.data.batches(split), _limit(limit, self.data.num_batches(split))):
-            batch = move_to(batch, self.device)
-            with self.precision.autocast():
-                out = step_fn(batch)
-            n = self.task.batch_size(batch)
-            for name, value in itertools.chain((("loss", out.loss),), out.metrics.items()):
-                weighted = value.detach().float() * n
-                sums[name] = sums[name] + weighted if name in sums else weighted
-            count += n
-        self.task.train()
-        self.task.model = wrapped
-        # A rank whose shard gave no batch knows no metric names: agree on them before reducing.
-        names = list(dict.fromkeys(n for ranks in self.strategy.gather_objects(list(sums)) for n in ranks))
+        try:
+            for batch in itertools.islice(self.data.batches(split), _limit(limit, self.data.num_batches(split))):
+                batch = move_to(batch, self.device)
+                with self.precision.autocast():
+                    out = step_fn(batch)
+                n = self.task.batch_size(batch)
+                for name, value in itertools.chain((("loss", out.loss),), out.metrics.items()):
+                    weighted = value.detach().float() * n
+                    sums[name] = sums[name] + weighted if name in sums else weighted
+                count += n
+            if split == "val":
+                self.task.on_validation_epoch_end()
+            stateful = {f"{split}/{name}": float(value) for name, value in self.task.epoch_metrics(split).items()}
+            logged = self._eval_logged
+        finally:
+            self._stage, self._eval_logged = "train", {}
+            self.task.train()
+            self.task.model = wrapped
+        # A rank whose shard gave no batch knows no names: agree on them before reducing, all in one all-reduce.
+        gathered = self.strategy.gather_objects((list(sums), list(logged)))
+        names = list(dict.fromkeys(n for ranks, _ in gathered for n in ranks))
+        logged_names = list(dict.fromkeys(n for _, ranks in gathered for n in ranks))
         zero = torch.zeros((), device=self.device)
-        totals = torch.stack([*(sums.get(n, zero) for n in names), torch.tensor(float(count), device=self.device)])
-        totals = self.strategy.all_reduce_sum(totals)
-        values = (totals[:-1] / totals[-1]).tolist() if totals[-1] > 0 else [math.nan] * len(names)
-        metrics = {f"{split}/{name}": value for name, value in zip(names, values)}
+        totals = torch.stack([*(sums.get(n, zero) for n in names), torch.tensor(float(count), device=self.device),
+                              *(logged[n][0] if n in logged else zero for n in logged_names),
+                              *(torch.tensor(float(logged[n][1] if n in logged else 0), device=self.device)
+                                for n in logged_names)])
+        totals = self.strategy.all_reduce_sum(totals).tolist()
+        total_count, logged_totals = totals[len(names)], totals[len(names) + 1:]
+        metrics = {f"{split}/{name}": (value / total_count if total_count > 0 else math.nan)
+                   for name, value in zip(names, totals[:len(names)])}
+        k = len(logged_names)
+        metrics.update({name: (total / n if n > 0 else math.nan)
+                        for name, total, n in zip(logged_names, logged_totals[:k], logged_totals[k:])})
+        metrics.update(stateful)
         self.logger.log_metrics(metrics, self.progress.step)
         return metrics
 
