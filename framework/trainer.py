@@ -37,6 +37,7 @@ from framework.progress import ProgressBar, file_only
 from framework.signals import SignalWatch
 from framework.state import Progress, RngState, TrainingState
 from framework.task import Task
+from framework.tensorboard_layout import layout
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +212,7 @@ class Trainer:
         self._bar_names: set[str] = set()  # what the task asked to see in the progress bar
         self._started_at = (time.perf_counter(), 0)  # (when fit started, at which step): for the ETA
         self._epoch_rate = 0.0  # samples/s of the latest epoch
+        self._val_names: list[str] = []  # the validation metrics, as the first val batch showed them
         self._clip_norm, self._clip_value = t.grad_clip_norm, t.grad_clip_value  # no config access per step
         before_step = self.callbacks.bound("on_before_optimizer_step")
         self._before_step = (lambda: before_step(self, self.task, self.optimizer)) if before_step else None
@@ -428,6 +430,7 @@ class Trainer:
                 if split == "val":  # a monitor naming no metric would otherwise fail after the first epoch
                     names = ["val/loss", *(f"val/{name}" for name in out.metrics),
                              *(f"val/{name}" for name in self.task.epoch_metrics("val"))]  # (which resets them)
+                    self._val_names = names
                     for key, monitor in self._monitors().items():
                         if monitor not in names:
                             raise ConfigError(f"{key}={monitor!r}: no such metric; expected one of {', '.join(names)}")
@@ -527,6 +530,7 @@ class Trainer:
                 for step, lr in points:
                     self.logger.log_metrics({f"lr_plan/{name}": lr}, step)
             self.logger.log_text("config", "```yaml\n" + OmegaConf.to_yaml(self.cfg, resolve=True) + "```")
+            self.logger.log_custom_scalars(layout([*self._monitors().values(), *self._val_names]))
             if self.hparams:
                 self.logger.log_hparams(self.hparams, HPARAM_METRICS)
         if self.cfg.trainer.dry_run:
