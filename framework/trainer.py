@@ -367,7 +367,10 @@ class Trainer:
                  for n, total in zip(names, sums)}
         window.epoch_sums.clear()
         window.epoch_counts.clear()
-        self.logger.log_metrics(means, self.progress.step)
+        # The LR curve gets a point every epoch too (unless this step was a logging step, which logged it).
+        lrs = {f"lr/{name}": group["lr"] for name, group in zip(self.param_group_names, self.optimizer.param_groups)
+               if self.progress.step % self.log_every_n_steps}
+        self.logger.log_metrics({**means, **lrs}, self.progress.step)
         self._record(means)
         return means
 
