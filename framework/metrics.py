@@ -1,7 +1,23 @@
-"""Metric functions for tasks: `(output, target) -> scalar tensor`, computed on device without a host sync."""
+"""Metrics for tasks, of two kinds.
+
+Batch metrics: `(output, target) -> scalar tensor`, computed on device without a host sync; the trainer
+averages them over the epoch weighted by batch size, which is exact for means such as accuracy.
+Stateful metrics: `torchmetrics.Metric` objects (update per batch, compute at epoch end over every rank,
+reset), for what a mean of batch values gets wrong, such as macro-F1 or AUROC.
+"""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import nn
+
+
+def is_stateful(metric: Any) -> bool:
+    """A torchmetrics.Metric, known by what it does: torchmetrics takes seconds to import, so only a config
+    that names one of its metrics pays for it."""
+    return isinstance(metric, nn.Module) and all(callable(getattr(metric, name, None))
+                                                 for name in ("update", "compute", "reset"))
 
 
 class Accuracy:

@@ -2,7 +2,9 @@
 
 A step returns a `StepOutput`: the loss (for backward) and a dict of metric tensors, averaged over the batch.
 The trainer prefixes metric names with the stage (`train/`, `val/`, `test/`) and averages them over the
-epoch weighted by batch size. Subclass `Task` (or `ClassificationTask`) in `experiments/` to go further.
+epoch weighted by batch size. Metrics that a batch average gets wrong (macro-F1, AUROC) are stateful
+(torchmetrics): updated per batch and returned by `epoch_metrics` at the end of the evaluation. Subclass
+`Task` (or `ClassificationTask`) in `experiments/` to go further.
 
 `check_batch` runs a step once on the first batch of each split before training, so that data of the wrong
 kind, a model that does not fit it or a loss that does not fit the model is one line naming `data`, `model`
@@ -11,6 +13,7 @@ inputs.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -19,8 +22,9 @@ from torch import nn
 
 from framework.errors import ConfigError, UserError
 from framework.instantiate import FULL_ERROR_HINT, error_line
-from framework.metrics import Accuracy
+from framework.metrics import Accuracy, is_stateful
 
+# A batch metric `(output, target) -> scalar tensor`, or a stateful torchmetrics.Metric (an nn.Module).
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -102,13 +106,24 @@ class Task(nn.Module):
 
 
 class ClassificationTask(Task):
-    """`(inputs, labels)` batches, a loss (cross-entropy by default) and metrics (accuracy by default)."""
+    """`(inputs, labels)` batches, a loss (cross-entropy by default) and metrics (accuracy by default).
+
+    A metric is a batch metric (a callable, averaged by the trainer) or a stateful `torchmetrics.Metric`,
+    which gets the model's scores as float32 (its classification metrics turn logits into probabilities
+    themselves) and is computed over the whole split in `epoch_metrics`.
+    """
 
     def __init__(self, model: nn.Module, loss: Optional[nn.Module] = None,
                  metrics: Optional[Mapping[str, Metric]] = None) -> None:
         super().__init__(model)
         self.loss = loss if loss is not None else nn.CrossEntropyLoss()
-        self.metrics = dict(metrics) if metrics is not None else {"acc": Accuracy()}
+        configured = dict(metrics) if metrics is not None else {"acc": Accuracy()}
+        self.metrics = {name: metric for name, metric in configured.items() if not is_stateful(metric)}
+        stateful = {name: metric for name, metric in configured.items() if is_stateful(metric)}
+        # One copy per split, so that a test never mixes with validation state. Submodules, so .to(device)
+        # moves them; their states are not persistent and the checkpoint saves only the model.
+        self.stateful_metrics = nn.ModuleDict({split: nn.ModuleDict(copy.deepcopy(stateful))
+                                               for split in ("val", "test")})
 
     def training_step(self, batch: Any) -> StepOutput:
         # Training metrics are left out on purpose: the hot path computes only what backward needs.
@@ -116,10 +131,34 @@ class ClassificationTask(Task):
         return StepOutput(self.loss(self.model(inputs), target))
 
     def validation_step(self, batch: Any) -> StepOutput:
+        return self.evaluation_step(batch, "val")
+
+    def test_step(self, batch: Any) -> StepOutput:
+        return self.evaluation_step(batch, "test")
+
+    def evaluation_step(self, batch: Any, split: str) -> StepOutput:
+        """A validation ("val") or test ("test") step: override this to change both."""
         inputs, target = batch
         output = self.model(inputs)
-        metrics = {name: metric(output, target) for name, metric in self.metrics.items()}
-        return StepOutput(self.loss(output, target), metrics)
+        return StepOutput(self.loss(output, target), self.step_metrics(output, target, split))
+
+    def step_metrics(self, output: torch.Tensor, target: torch.Tensor, split: str) -> dict[str, torch.Tensor]:
+        """The batch metrics' values for this batch; the stateful metrics of `split` are updated with it."""
+        stateful = self.stateful_metrics[split]
+        if len(stateful):
+            scores = output.detach().float()  # under bf16/fp16 autocast too, so AUROC ranks as in float32
+            for metric in stateful.values():
+                metric.update(scores, target)
+        return {name: metric(output, target) for name, metric in self.metrics.items()}
+
+    def epoch_metrics(self, split: str) -> dict[str, torch.Tensor]:
+        """Each stateful metric of `split` over every batch since the last call, synchronised over the ranks
+        by torchmetrics (every rank must call this), then reset."""
+        stateful = self.stateful_metrics[split]
+        values = {name: metric.compute() for name, metric in stateful.items()}
+        for metric in stateful.values():
+            metric.reset()
+        return values
 
     def check_batch(self, batch: Any, split: str, *, input_shape: Optional[Sequence[int]] = None,
                     num_classes: Optional[int] = None) -> StepOutput:
@@ -171,16 +210,24 @@ class ClassificationTask(Task):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ConfigError(f"task.loss: {_name(self.loss)} returned {describe(loss)}; expected one number, "
                               "the loss reduced over the batch (e.g. reduction='mean')")
-        for name, metric in self.metrics.items():
+        metrics = {**self.metrics, **self.stateful_metrics["val"]}
+        for name, metric in metrics.items():
             try:
-                metric(output, target)
+                if is_stateful(metric):  # on a copy: the step below updates the metric itself
+                    copy.deepcopy(metric).update(output.detach().float(), target)
+                else:
+                    metric(output, target)
             except UserError:
                 raise
             except Exception as err:
                 raise ConfigError(f"task.metrics.{name}: {_name(metric)} on the model's output of "
                                   f"{describe(output)} and labels of {describe(target)} raised "
                                   f"{error_line(err)}; expected a metric that takes them {FULL_ERROR_HINT}") from err
-        return super().check_batch(batch, split)
+        out = super().check_batch(batch, split)
+        if split != "val":  # the trainer resets after the val check (epoch_metrics); no other check leaves state
+            for metric in self.stateful_metrics["val"].values():
+                metric.reset()
+        return out
 
     def _forward_failed(self, inputs: torch.Tensor, split: str, err: Exception) -> ConfigError:
         """Inputs of another dtype than the weights are the data's fault; anything else, with inputs of the
