@@ -134,7 +134,13 @@ class DDPStrategy(Strategy):
 
     def for_eval(self, model: nn.Module) -> nn.Module:
         # Ranks evaluate uneven shards; the plain module runs no collective that would wait for the others.
-        return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        # DDP broadcasts rank 0's buffers (BatchNorm statistics) at the start of each forward, so after the last
+        # one every rank holds its own: evaluate with rank 0's, the ones the checkpoint saves.
+        with torch.no_grad():
+            for buffer in module.buffers():
+                self.dist.broadcast(buffer, 0)
+        return module
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         self.dist.all_reduce(tensor)
