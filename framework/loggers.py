@@ -5,6 +5,7 @@ Only rank 0 creates these; other ranks get disabled instances, so the trainer ne
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -21,6 +22,11 @@ class TensorBoardLogger:
         leaves no event file that TensorBoard would show as an empty run."""
         self.enabled, self.log_dir, self.purge_step = enabled, log_dir, purge_step
         self._writer: Any = None
+
+    @property
+    def experiment(self) -> Any:
+        """Lightning's name for the SummaryWriter (images, histograms, text); None where nothing is logged."""
+        return self.writer
 
     @property
     def writer(self) -> Any:
@@ -53,6 +59,11 @@ class TensorBoardLogger:
             _, _, session_end = hparams_summaries({"_": 0}, {})
             self.writer._get_file_writer().add_summary(session_end)
 
+    def log_custom_scalars(self, layout: Mapping[str, Any]) -> None:
+        """The CUSTOM SCALARS page's charts (framework/tensorboard_layout.py), once per run."""
+        if self.enabled:
+            self.writer.add_custom_scalars(dict(layout))
+
     def log_text(self, tag: str, text: str) -> None:
         if self.enabled:
             self.writer.add_text(tag, text)
@@ -79,16 +90,26 @@ def write_json(path: Path, data: Mapping[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+# The closing summary's logger: conf/hydra/job_logging/framework.yaml (and launch.py, for spawned workers) send
+# it to stdout as plain lines, as print() would, and to run.log, so the log holds what the console showed.
+SUMMARY_LOGGER = "framework.summary"
+
+
 def print_summary(summary: Mapping[str, Any], run_dir: Path) -> None:
     """The closing lines a user reads: final metrics, where the run is, how to look at it."""
     metrics = {k: v for k, v in summary.items() if "/" in k and isinstance(v, (int, float))}
     shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if not math.isnan(v))
-    print(f"Done in {summary['seconds']:.1f} s: {summary['epoch']} epochs, {summary['step']} steps "
-          f"({summary['precision']}, world size {summary['world_size']})")
+    lines = [f"Done in {summary['seconds']:.1f} s: {summary['epoch']} epochs, {summary['step']} steps "
+             f"({summary['precision']}, world size {summary['world_size']})"]
     if shown:
-        print(f"  {shown}")
-    print(f"Run directory: {run_dir}")
-    print(f"View it with:  tensorboard --logdir {_shell_path(run_dir)}")
+        lines.append(f"  {shown}")
+    lines += [f"Run directory: {run_dir}", f"View it with:  tensorboard --logdir {_shell_path(run_dir)}"]
+    logger = logging.getLogger(SUMMARY_LOGGER)
+    for line in lines:  # one record a line: each is a complete, prefixed line in run.log
+        if logger.hasHandlers():
+            logger.info(line)
+        else:  # logging not configured (trainer.train called directly): still shown
+            print(line)
 
 
 def _shell_path(path: Path) -> str:
