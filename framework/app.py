@@ -20,17 +20,18 @@ from hydra.types import RunMode
 from omegaconf import Container, DictConfig, ListConfig, Node, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework import config, resume, rundir, sweep
+from framework import config, provenance, resume, rundir, sweep
 from framework.errors import ConfigError, Interrupted, UserError, full_error
 from framework.launch import WorkerFailed, spawn
 from framework.loggers import write_json
 
 log = logging.getLogger(__name__)
 
-# The resolvers conf/config.yaml's hydra.run.dir uses are needed wherever Hydra resolves it, a launcher's worker
-# process included (it imports this module to unpickle the job): registered on import. The schemas are only needed
-# where conf/ is composed: run.py registers them, explicitly.
+# The resolvers conf/config.yaml's hydra.run.dir and hydra.sweep.subdir use are needed wherever Hydra resolves them,
+# a launcher's worker process included (it imports this module to unpickle the job): registered on import. The
+# schemas are only needed where conf/ is composed: run.py registers them, explicitly.
 resume.register_resolvers()
+sweep.register_resolvers()
 
 
 def _nodes(container: Container, key: str = "") -> Iterator[tuple[str, Container, Any, Node]]:
@@ -104,7 +105,8 @@ def main(cfg: DictConfig) -> Any:
 def _discard_attempt(started: bool) -> None:
     hydra_cfg = HydraConfig.get()
     if os.environ.get("RANK", "0") == "0":  # torchrun's other ranks point at rank 0's directory
-        rundir.discard_attempt(Path(hydra_cfg.runtime.output_dir), hydra_cfg.output_subdir, started=started)
+        rundir.discard_attempt(Path(hydra_cfg.runtime.output_dir), hydra_cfg.output_subdir, started=started,
+                               also=provenance.FILES)  # a new directory's provenance goes with it
 
 
 def _run(cfg: DictConfig, started: Optional[list] = None) -> Optional[float]:
@@ -126,9 +128,13 @@ def _run(cfg: DictConfig, started: Optional[list] = None) -> Optional[float]:
 
         fresh, fresh_choices = cfg, choices
         checkpoint = resume.find_checkpoint(cfg.resume, run_dir)
+        recorded = False
         while True:
             cfg, choices = _settled(fresh, fresh_choices, checkpoint, overrides, hydra_cfg)
             params = sweep.hparams(cfg, choices, overrides)
+            if rank_zero and not recorded:  # once the run is known to start: a refused one leaves nothing
+                provenance.write(run_dir, Path(hydra_cfg.runtime.cwd), overrides)
+                recorded = True
             if started is not None:
                 started.append(True)
             try:

@@ -18,6 +18,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from framework.errors import Interrupted, UserError
+from framework.loggers import SUMMARY_LOGGER
 
 log = logging.getLogger(__name__)
 
@@ -85,16 +86,24 @@ def spawn(cfg: DictConfig, run_dir: Path, nprocs: int, checkpoint: Optional[Path
 
 
 def _configure_logging(rank: int, run_dir: Path) -> None:
-    """Spawned workers start without Hydra's logging: rank 0 logs like the parent would, others stay quiet."""
+    """Spawned workers start without Hydra's logging: rank 0 logs like the parent would (conf/hydra/job_logging/
+    framework.yaml: messages on stderr, the closing summary on stdout, both in run.log), others stay quiet."""
     root = logging.getLogger()
     root.handlers.clear()
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter("%(message)s"))
     root.addHandler(console)
+    summary = logging.getLogger(SUMMARY_LOGGER)
+    summary.handlers.clear()
+    summary.propagate = rank != 0
     if rank == 0:
         file = logging.FileHandler(run_dir / "run.log")
         file.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
         root.addHandler(file)
+        stdout = logging.StreamHandler(sys.stdout)
+        stdout.setFormatter(logging.Formatter("%(message)s"))
+        summary.addHandler(stdout)
+        summary.addHandler(file)
     root.setLevel(logging.INFO if rank == 0 else logging.ERROR)
 
 

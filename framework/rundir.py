@@ -12,7 +12,7 @@ import os
 import shutil
 import socket
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 from framework.errors import ConfigError
 
@@ -63,16 +63,17 @@ def _close_file_logs(folder: Path) -> None:
             handler.close()
 
 
-def discard_attempt(run_dir: Path, hydra_subdir: Optional[str], *, started: bool) -> None:
+def discard_attempt(run_dir: Path, hydra_subdir: Optional[str], *, started: bool, also: Iterable[str] = ()) -> None:
     """Undo what this invocation left in `run_dir` when it failed: in a directory that already held a run, its
     own `.hydra/<attempt>` record, unless it had `started` training there; a new directory that holds nothing
-    but this invocation's `.hydra/`, `run.log` and lock, whole. Nothing of an earlier run is ever touched."""
+    but this invocation's `.hydra/`, `run.log`, lock and the files named in `also` (written before training),
+    whole. Nothing of an earlier run is ever touched."""
     if hydra_subdir and hydra_subdir.startswith(".hydra/"):
         if not started:
             shutil.rmtree(run_dir / hydra_subdir, ignore_errors=True)
         return
     if hydra_subdir != ".hydra" or not run_dir.is_dir():
         return
-    if {p.name for p in run_dir.iterdir()} <= {".hydra", "run.log", LOCK_FILE}:
+    if {p.name for p in run_dir.iterdir()} <= {".hydra", "run.log", LOCK_FILE, *also}:
         _close_file_logs(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)

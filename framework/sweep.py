@@ -5,6 +5,9 @@ every job's `summary.json`, writes `summary.csv` in the sweep directory (one row
 values, final and best metrics, status, seconds), prints the table best job first (and mean ± std over
 seeds when the sweep varies `seed` beside other keys), and exits non-zero if any job failed. Jobs never
 stop a sweep: the app records a failed job's error in its `summary.json` and returns (see app.py).
+
+`${sweep_subdir:}` (conf/config.yaml, `hydra.sweep.subdir`) names a job's directory after the keys the sweep
+varies only: `-m optimizer.lr=0.01,0.1 trainer.max_epochs=3` gives `0_optimizer.lr=0.01`, not every override.
 """
 from __future__ import annotations
 
@@ -19,6 +22,9 @@ from typing import Any, Optional
 
 import yaml
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override, ValueType
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
@@ -53,6 +59,55 @@ def hparams(cfg: DictConfig, choices: dict[str, Optional[str]], overrides: list[
             value = OmegaConf.select(cfg, key, default=None)
             params[key] = _plain(value if value is not None else raw)
     return params
+
+
+# ------------------------------------------------------------------------------------- job directories
+def register_resolvers() -> None:
+    OmegaConf.register_new_resolver("sweep_subdir", sweep_subdir, replace=True)
+
+
+def _varies(override: Override) -> bool:
+    if not override.is_sweep_override():
+        return False
+    if override.value_type in (ValueType.INTERVAL_SWEEP, ValueType.GLOB_CHOICE_SWEEP):  # a search space, a glob
+        return True
+    return len(list(override.sweep_string_iterator())) > 1
+
+
+def swept_keys(hydra_cfg: DictConfig) -> Optional[set[str]]:
+    """The keys the sweep gives more than one value, from the sweep's command line (Hydra's basic sweeper saves
+    it in SWEEP_DIR/multirun.yaml before the first job) and `hydra.sweeper.params` (Optuna's search space);
+    None when neither is known."""
+    arguments: list[str] = []
+    recorded = Path(str(hydra_cfg.sweep.dir)) / "multirun.yaml"
+    if recorded.is_file():
+        saved = yaml.safe_load(recorded.read_text()) or {}
+        arguments += [str(a) for a in ((saved.get("hydra") or {}).get("overrides") or {}).get("task") or []]
+    params = OmegaConf.select(hydra_cfg, "sweeper.params", default=None)
+    if params:
+        arguments += [f"{key}={value}" for key, value in params.items()]
+    if not recorded.is_file() and not params:
+        return None
+    try:
+        return {o.key_or_group for o in OverridesParser.create().parse_overrides(arguments) if _varies(o)}
+    except HydraException:  # a sweeper's own syntax: name every override, as Hydra would
+        return None
+
+
+def sweep_subdir(*, _root_: DictConfig) -> str:
+    """`hydra.sweep.subdir`: `<job number>_<key=value,...>` for the keys the sweep varies, formatted as Hydra's
+    `hydra.job.override_dirname` (its `exclude_keys` and separators); every override when the sweep is unknown."""
+    hydra_cfg = _root_.hydra
+    swept = swept_keys(hydra_cfg)
+    if swept is None:
+        name = str(hydra_cfg.job.override_dirname)
+    else:
+        style = hydra_cfg.job.config.override_dirname
+        overrides = OverridesParser.create().parse_overrides([str(o) for o in hydra_cfg.overrides.task])
+        lines = sorted(str(o.input_line) for o in overrides
+                       if o.key_or_group in swept and o.key_or_group not in style.exclude_keys)
+        name = str(style.item_sep).join(lines).replace("=", str(style.kv_sep))
+    return f"{hydra_cfg.job.num}_{name}" if name else str(hydra_cfg.job.num)
 
 
 # ---------------------------------------------------------------------------------------------- summary

@@ -103,10 +103,12 @@ def wait_for(fetch, ok, what: str) -> Any:
 
 def test_sweep_of_three_lrs_gives_three_runs_a_summary_and_hparams_served_by_tensorboard(tmp_path,
                                                                                        tensorboard_server):
-    proc, sweep_dir = sweep(tmp_path, "optimizer.lr=0.01,0.05,0.1")
+    proc, sweep_dir = sweep(tmp_path, "optimizer.lr=0.01,0.05,0.1", "data.batch_size=32")
     assert proc.returncode == 0, output(proc)
     jobs = job_dirs(sweep_dir)
     assert len(jobs) == 3 and all((j / "summary.json").is_file() for j in jobs)
+    # named after the swept key only, not data.batch_size nor QUICK's overrides
+    assert [j.name for j in jobs] == ["0_optimizer.lr=0.01", "1_optimizer.lr=0.05", "2_optimizer.lr=0.1"]
     table = rows(sweep_dir)
     assert len(table) == 3 and sorted(float(r["optimizer.lr"]) for r in table) == [0.01, 0.05, 0.1]
     assert all(r["status"] == "ok" and r["val/acc"] and r["best/val/acc"] and r["seconds"] for r in table)
@@ -127,10 +129,15 @@ def test_sweep_of_three_lrs_gives_three_runs_a_summary_and_hparams_served_by_ten
     groups = post(f"{url}/data/plugin/hparams/session_groups", {
         "experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
                                                   "STATUS_RUNNING"],
-        "colParams": [{"hparam": "optimizer.lr"}, {"metric": {"tag": "val/acc", "group": ""}}],
+        "colParams": [{"hparam": "optimizer.lr"}, {"hparam": "data.batch_size"},
+                      {"metric": {"tag": "val/acc", "group": ""}}],
         "startIndex": 0, "sliceSize": 100})
     lrs = sorted(g["hparams"]["optimizer.lr"] for g in groups["sessionGroups"])
     assert lrs == [0.01, 0.05, 0.1]
+    # an int is a number (sortable, filterable by interval) holding exactly the int, not a string or 32.000...
+    assert {g["hparams"]["data.batch_size"] for g in groups["sessionGroups"]} == {32}
+    batch_info = next(h for h in experiment["hparamInfos"] if h["name"] == "data.batch_size")
+    assert batch_info["type"] == "DATA_TYPE_FLOAT64"
 
 
 def test_a_failing_job_does_not_lose_the_others_and_the_sweep_exits_non_zero(tmp_path):
