@@ -87,6 +87,7 @@ def main(cfg: DictConfig) -> Any:
         return _run(cfg, started)
     except Interrupted as err:  # stopped on a signal after saving: not an error, but not finished either
         log.warning("%s", err)
+        _requeue(cfg, err)
         sys.exit(128 + err.signum)
     except UserError as err:
         if full_error():
@@ -102,6 +103,15 @@ def main(cfg: DictConfig) -> Any:
         sys.exit(130)
 
 
+def _requeue(cfg: DictConfig, err: Interrupted) -> None:
+    """After a stop on a signal (`last` saved): ask SLURM or submitit to requeue the job, per checkpoint.requeue.
+    Only rank 0 (or the parent of spawned workers) asks, once."""
+    from framework import signals
+
+    if os.environ.get("RANK", "0") == "0" and cfg.checkpoint.on_signal:
+        signals.requeue(err.signum, err.previous_handler, cfg.checkpoint.requeue)
+
+
 def _discard_attempt(started: bool) -> None:
     hydra_cfg = HydraConfig.get()
     if os.environ.get("RANK", "0") == "0":  # torchrun's other ranks point at rank 0's directory
@@ -112,11 +122,13 @@ def _discard_attempt(started: bool) -> None:
 def _run(cfg: DictConfig, started: Optional[list] = None) -> Optional[float]:
     """Validate, settle the config (a resumed run's is its checkpoint's), lock the run directory, train.
     `started` gets an item once training is handed over (a later failure is no longer "refused at start")."""
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    if not cfg.resume and resume.continues_in_place(hydra_cfg.mode == RunMode.MULTIRUN, run_dir):
+        cfg.resume = resume.AUTO  # a requeued job continues from its own last checkpoint
     if not cfg.resume:  # a resumed run's values come from its checkpoint: checked once merged, below
         resolve_all(cfg)
         config.validate(cfg)
-    hydra_cfg = HydraConfig.get()
-    run_dir = Path(hydra_cfg.runtime.output_dir)
     overrides = list(hydra_cfg.overrides.task)
     choices = dict(hydra_cfg.runtime.choices)
     rank_zero = os.environ.get("RANK", "0") == "0"
@@ -177,6 +189,12 @@ def _sweep_job(cfg: DictConfig) -> float:
     try:
         objective = _run(cfg)
         return float("nan") if objective is None else objective
+    except Interrupted as err:  # saved on a signal: requeued (submitit exits here), or reported as interrupted
+        log.warning("%s", err)
+        _requeue(cfg, err)
+        write_json(Path(HydraConfig.get().runtime.output_dir) / "summary.json",
+                   {"status": "interrupted", "error": str(err), "seconds": round(time.perf_counter() - start, 3)})
+        return float("nan")
     except (Exception, SystemExit) as err:  # noqa: BLE001  (recorded, reported at the end of the sweep)
         message = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
         if not isinstance(err, UserError):

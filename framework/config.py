@@ -20,6 +20,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig
 
 from framework.errors import ConfigError
+from framework.signals import DEFAULT_SIGNALS, parse as parse_signal
 
 
 @dataclass
@@ -67,6 +68,9 @@ class CheckpointConfig:
     mode: Mode = Mode.max
     save_top_k: int = 0
     on_signal: bool = False
+    # What on_signal stops on (SLURM's --signal=USR1@90, submitit's USR2; plus $SUBMITIT_PREEMPT_SIGNAL).
+    signals: list[str] = field(default_factory=lambda: list(DEFAULT_SIGNALS))
+    requeue: Any = "auto"  # after saving on a signal other than TERM/INT: auto (under SLURM/submitit), true, false
     fsync: bool = True  # flush each checkpoint to disk before it counts (false: atomic for the process only)
     async_save: bool = True  # write on a background thread; the loop waits only for a copy of the state
 
@@ -319,6 +323,11 @@ def _check_callbacks(callbacks: Any) -> None:
 
 
 def _check_checkpoint(ck: DictConfig, data: Any) -> None:
+    for i, name in enumerate(ck.signals):
+        _require(parse_signal(name) is not None, f"checkpoint.signals[{i}]", name,
+                 "a signal name such as SIGTERM, SIGUSR1 or USR2")
+    _require(ck.requeue in ("auto", True, False), "checkpoint.requeue", ck.requeue,
+             "auto (requeue under SLURM or submitit), true or false")
     _require(ck.every_n_steps >= 0, "checkpoint.every_n_steps", ck.every_n_steps, ">= 0 (0: never)")
     _require(ck.every_n_epochs >= 0, "checkpoint.every_n_epochs", ck.every_n_epochs, ">= 0 (0: never)")
     _require(ck.keep_last >= -1, "checkpoint.keep_last", ck.keep_last, ">= 0, or -1 to keep them all")

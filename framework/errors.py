@@ -21,6 +21,7 @@ class ConfigError(UserError):
 class Interrupted(UserError):
     """The run stopped on a signal after saving `last`; the app exits with 128 + the signal number."""
 
-    def __init__(self, signum: int, message: str) -> None:
+    def __init__(self, signum: int, message: str, previous_handler: object = None) -> None:
         super().__init__(message)
         self.signum = signum
+        self.previous_handler = previous_handler  # the signal's handler before the run's (submitit's, say)

@@ -64,9 +64,9 @@ class TensorBoardLogger:
         if self.enabled:
             self.writer.add_custom_scalars(dict(layout))
 
-    def log_text(self, tag: str, text: str) -> None:
+    def log_text(self, tag: str, text: str, step: Optional[int] = None) -> None:
         if self.enabled:
-            self.writer.add_text(tag, text)
+            self.writer.add_text(tag, text, step)
 
     def flush(self) -> None:
         if self._writer is not None:

@@ -3,7 +3,8 @@
 - `resume=RUN_DIR`: continue that run in place, from its newest intact checkpoint, with its saved config.
 - `resume=CHECKPOINT_DIR`: a new run directory, starting from that checkpoint's full state and config.
 - `resume=auto`: with a fixed `hydra.run.dir`, resume it if it holds a checkpoint, else start fresh
-  (what SLURM requeues and torchrun restarts need).
+  (what SLURM requeues and torchrun restarts need). A Hydra multirun job and a SLURM batch job (whose run
+  directory is `outputs/<name>/slurm-<job id>`, the same after a requeue) get it without asking.
 
 The resumed config is the one saved with the checkpoint, exactly: group choices, presets, `+` keys and config
 files of the user's own all come back from it, never from a fresh composition of the defaults. This command
@@ -61,11 +62,38 @@ def holds_run(path: Path) -> bool:
     return any(p.name.startswith("events.out.tfevents") for p in path.iterdir())
 
 
-def run_dir_resolver(resume: Optional[str], default: str) -> str:
-    """`hydra.run.dir`: the resumed run's own directory for resume=RUN_DIR, else the usual new one."""
+# SLURM job names of an interactive allocation (salloc, srun --pty bash): runs started there by hand are no job's.
+INTERACTIVE_JOB_NAMES = ("bash", "sh", "zsh", "interactive")
+
+
+def job_identity() -> Optional[str]:
+    """A SLURM batch job's name for its run directory, the same after every requeue: `slurm-<job id>`, or
+    `slurm-<array job id>_<task id>` for an array task. None outside SLURM and in an interactive allocation."""
+    if os.environ.get("SLURM_JOB_NAME", "") in INTERACTIVE_JOB_NAMES:
+        return None
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"slurm-{array}_{task}"
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"slurm-{job}" if job else None
+
+
+def run_dir_resolver(resume: Optional[str], default: str, requeue: Any = "auto") -> str:
+    """`hydra.run.dir`: the resumed run's own directory for resume=RUN_DIR; in a SLURM batch job (unless
+    checkpoint.requeue=false) `outputs/<name>/slurm-<job id>`, which a requeued job finds again; else the usual
+    new, timestamped one."""
     if resume and resume != AUTO and _is_run_dir(Path(resume)):
         return str(resume)
+    identity = job_identity() if requeue is not False and str(requeue).lower() != "false" else None
+    if identity is not None:
+        return str(Path(default).parent / identity)
     return default
+
+
+def continues_in_place(multirun: bool, run_dir: Path) -> bool:
+    """A job that may be a requeue of itself, so takes resume=auto: a Hydra multirun job (its directory is fixed
+    by the sweep and the job's overrides) or a SLURM batch job in its `slurm-<id>` directory."""
+    return multirun or (job_identity() is not None and run_dir.name == job_identity())
 
 
 _subdirs: dict[tuple[Optional[str], str], str] = {}  # the first answer per run: Hydra resolves it again later
@@ -77,7 +105,7 @@ def hydra_subdir_resolver(resume: Optional[str], run_dir: str) -> str:
     and removes). Decided once per run directory: once Hydra has written `.hydra/`, the directory holds a run."""
     key = (resume, str(Path(run_dir).absolute()))
     if key not in _subdirs:
-        kind = "resumed" if resume else "attempt"
+        kind = "resumed" if resume or continues_in_place(False, Path(run_dir)) else "attempt"
         held = holds_run(Path(run_dir))
         _subdirs[key] = f".hydra/{kind}-{datetime.datetime.now():%Y-%m-%d_%H-%M-%S-%f}" if held else ".hydra"
     return _subdirs[key]

@@ -1,31 +1,70 @@
-"""Stopping on a signal: SIGTERM or SIGINT asks the loop to finish its step, save `last` and exit.
+"""Stopping on a signal, and asking a cluster to requeue the run.
 
-The handler only records the signal; the training loop polls `received` after each optimizer step (and all
-ranks agree on it), so nothing is ever saved inside a signal handler.
+The handler only records the signal; the training loop polls `received` after each optimizer step (all ranks
+agree on it), saves `last` at that exact position and ends the run, so nothing is ever saved inside a signal
+handler. A second signal aborts at once; the previous intact checkpoint is still there.
+
+Which signals: `checkpoint.signals` (default SIGTERM, SIGINT, SIGUSR1 for SLURM's `--signal=USR1@90`,
+SIGUSR2 for submitit), plus submitit's `SUBMITIT_PREEMPT_SIGNAL` when it is set. After `last` is saved, a
+stop on a signal other than SIGTERM/SIGINT (those mean "stop", e.g. `scancel` or Ctrl-C) asks to be requeued
+(`requeue`, per `checkpoint.requeue`: auto = under SLURM or submitit only):
+- under Hydra's submitit launcher, through submitit's own handler, called once the checkpoint is on disk
+  (it pickles the job for resubmission, requeues it and exits); the requeued job resumes in the same job dir;
+- under plain `sbatch`, with `scontrol requeue $SLURM_JOB_ID`, once, from rank 0; the requeued job gets the same
+  run directory (`outputs/<name>/slurm-<job id>`, see resume.py) and resumes from `last`.
 """
 from __future__ import annotations
 
 import logging
+import os
 import signal
-from typing import Any, Optional
+import subprocess
+from typing import Any, Iterable, Optional
 
 log = logging.getLogger(__name__)
 
+DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+STOP_ONLY = (signal.SIGTERM, signal.SIGINT)  # "stop": never requeued
+SUBMITIT_SIGNAL_ENV = "SUBMITIT_PREEMPT_SIGNAL"
+SCONTROL_TIMEOUT_S = 30
+
+
+def parse(name: Any) -> Optional[signal.Signals]:
+    """A signal by name (SIGUSR1, USR1) or number; None if there is no such signal."""
+    text = str(name).strip().upper()
+    try:
+        return signal.Signals(int(text)) if text.isdigit() else signal.Signals[text if text.startswith("SIG") else
+                                                                                f"SIG{text}"]
+    except (KeyError, ValueError):
+        return None
+
+
+def watched(names: Iterable[Any]) -> list[signal.Signals]:
+    """The configured signals, plus the one submitit preempts and times out with when it says so."""
+    found = [s for s in (parse(n) for n in names) if s is not None]
+    submitit = parse(os.environ[SUBMITIT_SIGNAL_ENV]) if os.environ.get(SUBMITIT_SIGNAL_ENV) else None
+    return list(dict.fromkeys([*found, *([submitit] if submitit is not None else [])]))
+
 
 class SignalWatch:
-    """On SIGTERM or SIGINT, ask the loop to stop after the current step (it saves `last` and exits);
-    a second signal aborts at once."""
+    """On one of `signals`, ask the loop to stop after the current step (it saves `last` and exits); a second
+    signal aborts at once. Remembers the handler each signal had before (submitit's, for one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, signals: Iterable[int] = STOP_ONLY) -> None:
+        self.signals = list(signals)
         self.received: Optional[int] = None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "SignalWatch":
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in self.signals:
             if signal.getsignal(sig) is signal.SIG_IGN:  # e.g. spawned DDP workers: the parent forwards SIGINT
                 continue
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
+
+    def previous(self, signum: int) -> Any:
+        """The handler `signum` had before this watch (what a requeue may hand over to)."""
+        return self._previous.get(signum)
 
     def _handle(self, signum: int, _frame: Any) -> None:
         if self.received is not None:
@@ -39,3 +78,41 @@ class SignalWatch:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+def _submitit_handler(handler: Any) -> bool:
+    owner = getattr(handler, "__self__", None)
+    return owner is not None and type(owner).__module__.startswith("submitit")
+
+
+def slurm_job_id() -> Optional[str]:
+    """This SLURM job's id as `scontrol requeue` takes it (an array task's own id), or None outside SLURM."""
+    return os.environ.get("SLURM_JOB_ID") or None
+
+
+def requeue(signum: int, previous: Any, mode: Any) -> Optional[str]:
+    """After `last` is saved on `signum`: ask to be requeued, per `mode` (checkpoint.requeue: auto, true, false).
+    Returns what was done (for the log), or None. Under submitit this does not return: submitit's handler
+    requeues the job and exits the process."""
+    if mode is False or signum in STOP_ONLY:
+        return None
+    if _submitit_handler(previous):
+        log.warning("Handing over to submitit to requeue the job (checkpoints/last is saved)")
+        previous(signum, None)  # pickles the job for resubmission, requeues it, exits
+        return "requeued by submitit"
+    job = slurm_job_id()
+    if job is None:
+        if mode is True:
+            log.warning("checkpoint.requeue=true, but this run is not a SLURM job (no SLURM_JOB_ID): not requeued")
+        return None
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        log.error("scontrol requeue %s failed (%s); the run is saved: resume it with the same command", job, err)
+        return None
+    if done.returncode != 0:
+        log.error("scontrol requeue %s failed: %s; the run is saved: resume it with the same command", job,
+                  (done.stderr or done.stdout).strip() or f"exit code {done.returncode}")
+        return None
+    log.warning("Requeued SLURM job %s: it continues from checkpoints/last when it starts again", job)
+    return f"requeued SLURM job {job}"

@@ -34,7 +34,7 @@ from framework.optim import (apply_changed_options, build_optimizer, build_sched
 from framework.parallel import build_strategy
 from framework.precision import Precision
 from framework.progress import ProgressBar, file_only
-from framework.signals import SignalWatch
+from framework.signals import SignalWatch, watched
 from framework.state import Progress, RngState, TrainingState
 from framework.task import Task
 from framework.tensorboard_layout import layout
@@ -300,7 +300,7 @@ class Trainer:
         if self.cfg.trainer.dry_run:
             self.logger.close()
             return {}
-        watch = SignalWatch() if self.on_signal else contextlib.nullcontext()
+        watch = SignalWatch(watched(self.cfg.checkpoint.signals)) if self.on_signal else contextlib.nullcontext()
         finished = False
         try:
             self.callbacks.call("on_fit_start", self, self.task)
@@ -502,6 +502,8 @@ class Trainer:
             p = self.progress
             log.info("Resumed from %s at step %d (epoch %d, batch %d)", checkpoint.path, p.step, p.epoch,
                      p.batch_in_epoch)
+            self.logger.log_text("history", f"Resumed from {checkpoint.path} at step {p.step} (epoch {p.epoch}, "
+                                            f"batch {p.batch_in_epoch})", p.step)
 
     def _agreed_stop(self, watch: Any) -> Optional[int]:
         """After an optimizer step: the signal to stop on (if any), and whether a callback asked to stop, agreed by
@@ -616,7 +618,7 @@ class Trainer:
             if check_stop:
                 signum = self._agreed_stop(watch)
                 if signum is not None:
-                    self._stop(signum)
+                    self._stop(signum, watch)
             mid_epoch = p.batch_in_epoch < train_batches  # at an epoch's end, _end_epoch validates and saves
             if mid_epoch and val_every and p.step % val_every == 0:
                 val = self._validation_round()
@@ -683,15 +685,16 @@ class Trainer:
         window.losses.clear()  # in place: _train_epoch holds this list
         window.first_step, window.counted = self.progress.step, 0
 
-    def _stop(self, signum: int) -> None:
+    def _stop(self, signum: int, watch: Any) -> None:
         """Save `last` at this exact position (mid-epoch included), then end the run."""
         self.bar.close()
         self.checkpoints.save_now(self.state, self.progress.step, "last")
         self.checkpoints.writer.wait()
         p = self.progress
-        raise Interrupted(signum, f"Stopped by {signal.Signals(signum).name} at step {p.step} (epoch {p.epoch}, "
-                                  f"batch {p.batch_in_epoch}); saved {self.checkpoints.folder / 'last'}. "
-                                  f"Resume with: python run.py resume={self.run_dir}")
+        stopped = f"Stopped by {signal.Signals(signum).name} at step {p.step} (epoch {p.epoch}, batch {p.batch_in_epoch})"
+        self.logger.log_text("history", stopped, p.step)
+        raise Interrupted(signum, f"{stopped}; saved {self.checkpoints.folder / 'last'}. Resume with: python run.py "
+                                  f"resume={self.run_dir}", getattr(watch, "previous", lambda _: None)(signum))
 
     # ------------------------------------------------------------------ evaluation
     def _validate(self) -> dict[str, float]:
