@@ -3,17 +3,22 @@ PATH that records its arguments), Hydra's submitit launcher with submitit's real
 job continuing in the directory it had, ending bit-identical to a job never interrupted."""
 from __future__ import annotations
 
-import json
+import csv
 import os
 import shutil
 import signal
+import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import ROOT, output, run_cli
-from test_resume import assert_identical, final_state
+from framework.task import ClassificationTask, StepOutput
+from test_resume import TESTS, assert_identical, final_state
 from test_resume_matrix import KILLHOOK
 
 QUICK = ("logger.progress_bar=false", "trainer.device=cpu", "trainer.test=false", "trainer.max_steps=60",
@@ -76,3 +81,70 @@ def test_an_unknown_signal_name_is_one_line(tmp_path):
     proc = run_cli(tmp_path / "run", "checkpoint.signals=[SIGTERM,SIGFOO]")
     assert proc.returncode == 1
     assert "checkpoint.signals[1]='SIGFOO': expected a signal name such as SIGTERM" in output(proc), output(proc)
+
+
+class SlowTask(ClassificationTask):
+    """Classification whose every training step also waits `sleep_s`: a job that lasts as long as the test needs,
+    on any machine, without using the CPU. The numbers are those of ClassificationTask, whatever `sleep_s`."""
+
+    def __init__(self, *args: Any, sleep_s: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sleep_s = sleep_s
+
+    def training_step(self, batch: Any) -> StepOutput:
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        return super().training_step(batch)
+
+
+def test_a_submitit_sweep_with_a_too_short_time_limit_requeues_and_finishes_every_job_exactly(tmp_path):
+    """submitit's real local executor: with timeout_min=1 it sends SIGUSR2 about 30 s into each job. Each job
+    (36 s of sleeping steps) stops at a step, saves last, is requeued by submitit and continues."""
+    steps = 2400  # 36 s of sleeping steps: submitit signals at about 30 s
+    common = ("logger.progress_bar=false", "trainer.device=cpu", "trainer.test=false", "callbacks=none",
+              f"trainer.max_steps={steps}", "trainer.max_epochs=-1", "model.dropout=0.2", "trainer.log_every_n_steps=500",
+              "task._target_=test_requeue.SlowTask")
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (TESTS, os.environ.get("PYTHONPATH")))),
+           "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", "hydra/launcher=submitit_local",
+                           "hydra.launcher.timeout_min=1", f"hydra.sweep.dir={sweep}", "optimizer.lr=0.05,0.1",
+                           *common, "+task.sleep_s=0.015"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, output(proc)
+    rows = list(csv.DictReader((sweep / "summary.csv").open()))
+    assert sorted(row["job"] for row in rows) == ["0_optimizer.lr=0.05", "1_optimizer.lr=0.1"]
+    assert all(row["status"] == "ok" for row in rows), rows
+    for lr, job in (("0.05", "0_optimizer.lr=0.05"), ("0.1", "1_optimizer.lr=0.1")):
+        log = (sweep / job / "run.log").read_text()
+        assert "Stopped by SIGUSR2" in log and "Requeued job" in log and "Resumed from" in log, log
+        whole = run_cli(tmp_path / f"whole-{lr}", f"optimizer.lr={lr}", *common, "+task.sleep_s=0", fast=False,
+                        env={"PYTHONPATH": env["PYTHONPATH"]})
+        assert whole.returncode == 0, output(whole)
+        assert_identical(final_state(tmp_path / f"whole-{lr}"), final_state(sweep / job))
+
+
+@pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="needs torchrun")
+def test_torchrun_restarts_a_killed_worker_group_and_the_run_ends_identical(tmp_path):
+    """torchrun --max-restarts=1: rank 0 is SIGKILLed after step 17; torchrun restarts both workers, which take
+    resume=auto in the fixed run directory and continue from the newest checkpoint."""
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    common = ("parallel=ddp", "resume=auto", *QUICK, "trainer.max_steps=40")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+
+    def torchrun_run(run_dir: Path, extra_env: dict[str, str]) -> subprocess.CompletedProcess:
+        return subprocess.run([torchrun, "--standalone", "--nproc-per-node=2", "--max-restarts=1", str(ROOT / "run.py"),
+                               f"hydra.run.dir={run_dir}", *common], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300, env={**env, **extra_env})
+
+    whole = torchrun_run(tmp_path / "whole", {})
+    assert whole.returncode == 0, output(whole)
+    pythonpath = os.pathsep.join(filter(None, (str(KILLHOOK), os.environ.get("PYTHONPATH"))))
+    restarted = torchrun_run(tmp_path / "killed", {"PYTHONPATH": pythonpath, "KILL_AT_STEP": "17",
+                                                   "KILL_SIGNAL": "SIGKILL", "KILL_ONCE_FILE": str(tmp_path / "once")})
+    assert restarted.returncode == 0, output(restarted)
+    assert (tmp_path / "once").exists()  # the kill happened
+    assert "Resumed from" in output(restarted) and "at step 14 " in output(restarted), output(restarted)
+    assert_identical(final_state(tmp_path / "whole"), final_state(tmp_path / "killed"))

@@ -9,6 +9,7 @@ not even import torch.
 With $KILL_AT_STEP=N and $KILL_SIGNAL=SIGTERM|SIGKILL, torch's global optimizer-step post hook counts the
 optimizer steps actually taken and, right after the N-th, sends the signal: whatever the task, model,
 optimizer or precision of the run, the interruption comes at the same point of training every time.
+With $KILL_ONCE_FILE, only the first process to reach that step is signalled (a restarted one is not).
 """
 import os
 import signal
@@ -25,6 +26,12 @@ def _kill_after_step(at_step: int, signum: signal.Signals) -> None:
         rank = os.environ.get("RANK")  # set in DDP workers only (by the spawning parent, or torchrun)
         if steps != at_step or rank not in (None, "0"):
             return
+        once = os.environ.get("KILL_ONCE_FILE")  # with it, only the first process to get here is signalled
+        if once:
+            try:
+                os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return
         # A DDP worker's SIGTERM goes to its parent, which forwards it to every worker as it would a user's;
         # SIGKILL goes to this process: rank 0 dies, and the parent must end the other workers.
         to_parent = rank is not None and signum == signal.SIGTERM
