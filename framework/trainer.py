@@ -151,8 +151,15 @@ class Trainer:
         reproducibility.seed_everything(cfg.seed)
         self.strategy = build_strategy(cfg.parallel, t.device)
         self.device = self.strategy.device
-        # Under torchrun only rank 0 made a run directory (see app.py); every rank uses that one.
+        # Under torchrun only rank 0 made a run directory (see app.py); every rank uses that one, and resumes from
+        # the checkpoint rank 0 picked (each rank looked on its own: a save or prune a killed rank 0 left half done
+        # can make them disagree).
         self.run_dir = Path(self.strategy.broadcast_object(str(run_dir)))
+        chosen = self.strategy.broadcast_object(str(resume_from.path) if resume_from is not None else None)
+        if chosen is not None and (resume_from is None or str(resume_from.path) != chosen):
+            resume_from = open_checkpoint(Path(chosen))
+        elif chosen is None:
+            resume_from = None
 
         self.data = build(cfg.data, "data")
         if not isinstance(self.data, DataModule):
