@@ -103,7 +103,8 @@ def print_summary(summary: Mapping[str, Any], run_dir: Path) -> None:
              f"({summary['precision']}, world size {summary['world_size']})"]
     if shown:
         lines.append(f"  {shown}")
-    lines += [f"Run directory: {run_dir}", f"View it with:  tensorboard --logdir {_shell_path(run_dir)}"]
+    lines += [f"Run directory: {run_dir}", f"View it with:  tensorboard --logdir {_shell_path(run_dir)}   "
+                                            "(its CUSTOM SCALARS tab shows loss, metrics and LR first)"]
     logger = logging.getLogger(SUMMARY_LOGGER)
     for line in lines:  # one record a line: each is a complete, prefixed line in run.log
         if logger.hasHandlers():
