@@ -98,11 +98,12 @@ def eval_weights(checkpoint: Checkpoint, raw: bool = False) -> tuple[dict[str, t
 
 
 def export(checkpoint: Checkpoint, out: Path, mode: str = "trace", trust: bool = False,
-           raw: bool = False) -> dict[str, float]:
+           raw: bool = False) -> tuple[dict[str, float], str]:
     """Write the two files under `out`, reload them, and return the max abs difference of each from the
-    checkpoint's model on the example batch (raises UserError when outside tolerance)."""
+    checkpoint's model on the example batch (raises UserError when outside tolerance), and which weights
+    were exported."""
     model = build_model(checkpoint, trust)
-    weights, _ = eval_weights(checkpoint, raw)
+    weights, which = eval_weights(checkpoint, raw)
     check_compatible(model, weights, f"checkpoint {checkpoint.path}", strict=True)
     model.load_state_dict(weights)
     batch = example_batch(checkpoint)
@@ -138,7 +139,7 @@ def export(checkpoint: Checkpoint, out: Path, mode: str = "trace", trust: bool =
         raise UserError(f"{out / TORCHSCRIPT_FILE}: TorchScript ({mode}) outputs differ from the model's by up to "
                         f"{diffs[TORCHSCRIPT_FILE]:.3g}; expected allclose (rtol 1e-4, atol 1e-5)"
                         + ("; a data-dependent branch may need --torchscript script" if mode == "trace" else ""))
-    return diffs
+    return diffs, which
 
 
 def default_out(checkpoint: Checkpoint) -> Path:
@@ -163,8 +164,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         checkpoint = find_checkpoint(args.path, args.which)
         out = args.out or default_out(checkpoint)
-        diffs = export(checkpoint, out, args.torchscript, args.trust_saved_config, args.raw)
-        which = eval_weights(checkpoint, args.raw)[1]
+        diffs, which = export(checkpoint, out, args.torchscript, args.trust_saved_config, args.raw)
     except UserError as err:
         print(f"Error: {err}", file=sys.stderr)
         return 1
