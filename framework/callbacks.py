@@ -277,20 +277,35 @@ class EMA(Callback):
 
 
 class Timer(Callback):
-    """Lightning's Timer (what `trainer.max_time` adds): stop once the run has trained for `duration`, counted
-    across resumes (the time used is in the checkpoint, so a resumed run gets the budget that is left). The loop
-    stops at the next optimizer-step boundary, saves `last`, then validates, tests and reports as usual."""
+    """Lightning's Timer (what `trainer.max_time` adds): stop cleanly once training has taken `duration`. The loop
+    stops at the next optimizer-step boundary, saves `last`, then validates, tests and reports as usual.
 
-    def __init__(self, duration: Any) -> None:
+    `scope="job"` (what `trainer.max_time` uses) counts this job only, like a cluster's time limit: set it a little
+    under the job's limit, and each start of the same command (a requeued or restarted job, `resume=`) gets the
+    whole budget again and continues where the last one stopped. `scope="run"` (Lightning's) counts the time of
+    every job of the run, so a resumed run gets only what is left. Either way the total time trained is kept in
+    the checkpoint and reported."""
+
+    SCOPES = ("job", "run")
+
+    def __init__(self, duration: Any, scope: str = "job") -> None:
         seconds = parse_duration(duration)
         if seconds is None:
             raise ValueError(f"duration={duration!r}: expected DD:HH:MM:SS (e.g. 00:12:00:00) or a number of seconds > 0")
+        if scope not in self.SCOPES:
+            raise ValueError(f"scope={scope!r}: expected one of {', '.join(self.SCOPES)}")
         self.duration = seconds
-        self.elapsed_before = 0.0  # seconds used by the runs this one resumes
+        self.scope = scope
+        self.elapsed_before = 0.0  # seconds trained by the jobs this one resumes
         self._started = time.monotonic()
 
     def elapsed(self) -> float:
-        return self.elapsed_before + time.monotonic() - self._started
+        """Seconds trained in all, across resumes."""
+        return self.elapsed_before + self.job_elapsed()
+
+    def job_elapsed(self) -> float:
+        """Seconds trained by this job."""
+        return time.monotonic() - self._started
 
     def on_fit_start(self, trainer: "Trainer", task: "Task") -> None:
         self._started = time.monotonic()
@@ -300,9 +315,11 @@ class Timer(Callback):
         self._check(trainer)
 
     def _check(self, trainer: "Trainer") -> None:
-        if self.elapsed() >= self.duration:
-            trainer.request_stop(f"time limit: trained for {self.elapsed():.0f} s of trainer.max_time="
-                                 f"{self.duration:.0f} s")
+        used = self.job_elapsed() if self.scope == "job" else self.elapsed()
+        if used >= self.duration:
+            where = "in this job" if self.scope == "job" else "in this run"
+            trainer.request_stop(f"time limit: trained for {used:.0f} s {where} of trainer.max_time="
+                                 f"{self.duration:.0f} s ({self.elapsed():.0f} s in all)")
 
     def state_dict(self) -> dict[str, Any]:
         return {"elapsed": self.elapsed()}

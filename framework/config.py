@@ -29,7 +29,7 @@ class TrainerConfig:
     max_steps: int = -1  # optimizer steps; -1 means "no limit" (Lightning's convention)
     val_every_n_epochs: int = 1
     val_every_n_steps: int = 0  # also validate every N optimizer steps, counted across epochs (0: never)
-    max_time: Optional[str] = None  # wall-clock budget, DD:HH:MM:SS or seconds, kept across resumes (Lightning's)
+    max_time: Optional[str] = None  # this job's wall-clock budget, DD:HH:MM:SS or seconds (each start gets it anew)
     log_every_n_steps: int = 50
     accumulate_grad_batches: int = 1
     grad_clip_norm: Optional[float] = None

@@ -194,9 +194,12 @@ def test_ema_weights_are_in_the_pickle_free_checkpoint_and_export_uses_them(tmp_
 
 
 # ---------------------------------------------------------------------------------------------- time limit
-def test_max_time_stops_cleanly_saves_last_and_a_resume_gets_the_budget_left(tmp_path):
+def test_a_run_scoped_timer_stops_cleanly_saves_last_and_a_resume_gets_the_budget_left(tmp_path):
+    """Lightning's Timer as a callback, scope=run: the budget counts every job of the run (trainer.max_time counts
+    one job: tests/test_requeue.py)."""
     run = tmp_path / "run"
-    proc = run_cli(run, "trainer.max_time=2", "trainer.max_epochs=100000", "callbacks=none")
+    timer = "+callbacks.timer={_target_:framework.callbacks.Timer,duration:2,scope:run}"
+    proc = run_cli(run, timer, "trainer.max_epochs=100000", "callbacks=none")
     assert proc.returncode == 0, output(proc)
     first = json.loads((run / "summary.json").read_text())
     assert first["stopped"].startswith("time limit: trained for "), first
@@ -209,7 +212,7 @@ def test_max_time_stops_cleanly_saves_last_and_a_resume_gets_the_budget_left(tmp
     assert same.returncode == 0, output(same)
     assert json.loads((run / "summary.json").read_text())["step"] == first["step"]
     # A larger budget: training goes on for what is left of it.
-    more = run_cli(None, f"resume={run}", "trainer.max_time=4", fast=False)
+    more = run_cli(None, f"resume={run}", "+callbacks.timer.duration=4", fast=False)  # a key the run added
     assert more.returncode == 0, output(more)
     last = json.loads((run / "summary.json").read_text())
     assert last["step"] > first["step"] and last["stopped"].startswith("time limit")

@@ -4,6 +4,7 @@ job continuing in the directory it had, ending bit-identical to a job never inte
 from __future__ import annotations
 
 import csv
+import json
 import os
 import shutil
 import signal
@@ -123,6 +124,28 @@ def test_a_submitit_sweep_with_a_too_short_time_limit_requeues_and_finishes_ever
                         env={"PYTHONPATH": env["PYTHONPATH"]})
         assert whole.returncode == 0, output(whole)
         assert_identical(final_state(tmp_path / f"whole-{lr}"), final_state(sweep / job))
+
+
+def test_a_time_budget_shorter_than_the_job_stops_cleanly_and_the_same_command_finishes_identical(tmp_path):
+    """trainer.max_time is this job's budget: each start of the same command stops cleanly when its budget is
+    spent, saving last, and the next start continues; the run ends as if it had never stopped."""
+    run = tmp_path / "run"
+    common = (*QUICK, "trainer.max_steps=100", "task._target_=test_requeue.SlowTask", "callbacks=none")
+    env = {"PYTHONPATH": TESTS}
+    whole = run_cli(tmp_path / "whole", *common, fast=False, env=env)
+    assert whole.returncode == 0, output(whole)
+    command = (*common, "+task.sleep_s=0.03", "trainer.max_time=1.5", f"hydra.run.dir={run}", "resume=auto")
+    steps = []
+    for _ in range(10):  # 100 steps of at least 30 ms: 2 or more starts of 1.5 s
+        proc = run_cli(None, *command, fast=False, env=env)
+        assert proc.returncode == 0, output(proc)
+        summary = json.loads((run / "summary.json").read_text())
+        steps.append(summary["step"])
+        if summary["step"] == 100:
+            break
+        assert summary["stopped"].startswith("time limit: trained for "), summary
+    assert len(steps) >= 2 and steps == sorted(set(steps)) and steps[-1] == 100, steps
+    assert_identical(final_state(tmp_path / "whole"), final_state(run))
 
 
 # Opt-in (TORCHRUN_RESTART_TEST=1): it passes alone, but under load it failed 1 run in 3 and once hung until its
