@@ -51,9 +51,13 @@ def spawn(cfg: DictConfig, run_dir: Path, nprocs: int, checkpoint: Optional[Path
     """Run the Trainer in `nprocs` fresh processes and wait; raise the first failure.
 
     SIGINT and SIGTERM reaching this process are forwarded to the workers as SIGTERM (they ignore SIGINT,
-    so a Ctrl-C in the terminal reaches each of them exactly once): with checkpoint.on_signal they all
-    stop after the same step and save; a second signal aborts them."""
+    so a Ctrl-C in the terminal reaches each of them exactly once); the cluster's signals that
+    `checkpoint.signals` watches (SLURM's USR1, submitit's USR2) are forwarded as they came. With
+    checkpoint.on_signal the workers all stop after the same step and save; a second signal aborts them. This
+    process, not a worker, asks for the requeue afterwards (framework.app): a submitit job's handler is here."""
     import torch.multiprocessing as mp  # imported here: run.py imports this module before any config check
+
+    from framework.signals import STOP_ONLY, watched
 
     errors = mp.get_context("spawn").SimpleQueue()
     args = (nprocs, free_port(), cfg, run_dir, checkpoint, hparams, choices, errors)
@@ -65,17 +69,18 @@ def spawn(cfg: DictConfig, run_dir: Path, nprocs: int, checkpoint: Optional[Path
         received.append(signum)
         for process in context.processes:
             if process.is_alive():
-                os.kill(process.pid, signal.SIGTERM)
+                os.kill(process.pid, signal.SIGTERM if signum in STOP_ONLY else signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    cluster = watched(cfg.checkpoint.signals) if cfg.checkpoint.on_signal else []
+    previous = {sig: signal.signal(sig, forward) for sig in dict.fromkeys([*STOP_ONLY, *cluster])}
     try:
         while not context.join(grace_period=GRACE_PERIOD_S):
             pass
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
         if not errors.empty():
             rank, message, signum = errors.get()
-            if signum is not None:
-                raise Interrupted(signum, message) from None
+            if signum is not None:  # saved on a signal: the parent's own handler (submitit's) may requeue
+                raise Interrupted(signum, message, previous.get(signum)) from None
             raise UserError(message if nprocs == 1 else f"[rank {rank}] {message}") from None
         if received:
             raise KeyboardInterrupt from None

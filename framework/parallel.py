@@ -118,8 +118,9 @@ class DDPStrategy(Strategy):
         self.static_graph = parallel_cfg.static_graph
         if not dist.is_initialized():
             backend = parallel_cfg.backend or ("nccl" if self.device.type == "cuda" else "gloo")
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=parallel_cfg.timeout_s),
-                                    rank=self.rank, world_size=self.world_size)
+            timeout = datetime.timedelta(seconds=parallel_cfg.timeout_s)
+            dist.init_process_group(backend, timeout=timeout, rank=self.rank, world_size=self.world_size,
+                                    store=_elastic_attempt_store(timeout, self.world_size))
 
     def wrap(self, model: nn.Module) -> nn.Module:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
@@ -164,6 +165,24 @@ class DDPStrategy(Strategy):
             if finished:
                 self.dist.barrier()
             self.dist.destroy_process_group()
+
+
+def _elastic_attempt_store(timeout: datetime.timedelta, world_size: int) -> Optional[Any]:
+    """Under torchrun's restarts, the store for this attempt only; None: init_process_group's own (env://).
+
+    torchrun's agent keeps one TCPStore for the whole job and its workers join it (TORCHELASTIC_USE_AGENT_STORE)
+    without a per-attempt prefix. After a restart, a new rank 1 could read the key the killed rank 0 had published
+    and connect to a dead address: gloo's full-mesh connect failed or hung (pytorch/pytorch#135712). Keys under
+    `attempt-<restart count>` keep the attempts apart. The count is the agent's own, the same for every worker of
+    a single-node job; across nodes it is not (each agent counts its own restarts), so there torch's workaround,
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per attempt), is what the README recommends."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        return None
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"framework/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def build_strategy(parallel_cfg: Any, device: str) -> Strategy:

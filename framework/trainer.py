@@ -40,6 +40,7 @@ from framework.task import Task
 from framework.tensorboard_layout import layout
 
 log = logging.getLogger(__name__)
+_SIGNAL_SLOTS = range(signal.NSIG)  # signal numbers, for agreeing on one across ranks
 
 # Metrics shown in TensorBoard's HParams tab for every run (read from these scalar tags).
 HPARAM_METRICS = ["val/acc", "val/loss", "best/val/acc", "best/val/loss", "test/acc", "test/loss"]
@@ -517,11 +518,17 @@ class Trainer:
         every rank (all must stop after the same step). Returns the signal; a callback's stop sets stop_reason."""
         received = getattr(watch, "received", None)
         if self.strategy.world_size > 1:
-            flags = torch.tensor([float(received or 0), float(self.should_stop)], device=self.device)
-            signalled, stopping = self.strategy.all_reduce_sum(flags).tolist()
-            if stopping and not self.should_stop:
+            # One slot per signal number, the last for a callback's stop: every rank learns which signals any rank
+            # got (a signal reaches each worker at its own moment) and stops on the same one, the highest.
+            flags = torch.zeros(len(_SIGNAL_SLOTS) + 1, device=self.device)
+            if received is not None:
+                flags[received] = 1.0
+            flags[-1] = float(self.should_stop)
+            summed = self.strategy.all_reduce_sum(flags).tolist()
+            if summed[-1] and not self.should_stop:
                 self.request_stop("another process's callback asked to stop")
-            return int(received or signal.SIGTERM) if signalled > 0 else None
+            signalled = [signum for signum in _SIGNAL_SLOTS if summed[signum]]
+            return signalled[-1] if signalled else None
         return received
 
     def _describe_setup(self) -> None:

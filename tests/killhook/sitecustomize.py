@@ -32,9 +32,11 @@ def _kill_after_step(at_step: int, signum: signal.Signals) -> None:
                 os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             except FileExistsError:
                 return
-        # A DDP worker's SIGTERM goes to its parent, which forwards it to every worker as it would a user's;
-        # SIGKILL goes to this process: rank 0 dies, and the parent must end the other workers.
-        to_parent = rank is not None and signum == signal.SIGTERM
+        # A DDP worker's SIGTERM goes to its parent, which forwards it to every worker as it would a user's, and
+        # so does a cluster's signal (USR1, USR2) to a worker `run.py` spawned: SLURM and submitit signal the job's
+        # process. SIGKILL goes to this process: rank 0 dies, and the parent must end the other workers.
+        spawned = rank is not None and "TORCHELASTIC_RUN_ID" not in os.environ
+        to_parent = signum == signal.SIGTERM and rank is not None or signum != signal.SIGKILL and spawned
         os.kill(os.getppid() if to_parent else os.getpid(), signum)
 
     register_optimizer_step_post_hook(after_optimizer_step)
