@@ -1,25 +1,6 @@
-"""Entry point: Hydra composes conf/ and hands the config to the framework."""
-import sys
-from pathlib import Path
-
-import hydra
-from omegaconf import DictConfig
-
-import framework.app
+"""Entry point in this repository: `python run.py [overrides]` is `htf [overrides]` (framework/cli.py). Hydra
+composes conf/ (with a --config-dir of your own in front of it, if given) and hands the config to the framework."""
 import framework.cli
-import framework.config
-import framework.launch
-import framework.resume
-
-framework.config.register()  # the structured-config schemas conf/ is composed against
-
-
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> object:
-    return framework.app.main(cfg)
-
 
 if __name__ == "__main__":
-    sys.argv += framework.launch.rank_zero_only_overrides()  # under torchrun: one run directory, from rank 0
-    sys.argv = framework.resume.argv_with_saved_choices(sys.argv, Path(__file__).parent / "conf")  # resume=...
-    framework.cli.run(main)  # Hydra's compose-time errors (bad override, YAML) as one line
+    framework.cli.main()

@@ -1,6 +1,6 @@
 """The two training loops a careful user writes by hand for the `experiment=bench` workload.
 
-Same data (experiments/synthetic.py, same seed), same model layers and initialisation (global seed 42, as the
+Same data (framework/zoo/synthetic.py, same seed), same model layers and initialisation (global seed 42, as the
 framework's `seed`), same optimizer, same batch size and the same TensorBoard logging of `train/loss`
 every 50 steps, so `bench/overhead.py` compares the framework's own cost per step and nothing else.
 
@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python bench/handwritten.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-from experiments.synthetic import classification  # noqa: E402  (the framework's own data, bit for bit)
+from framework.zoo.synthetic import classification  # noqa: E402  (the framework's own data, bit for bit)
 
-SEED = 42          # conf/config.yaml's seed: model initialisation is the same as the framework's
+SEED = 42          # conf/htf.yaml's seed: model initialisation is the same as the framework's
 DATA_SEED = 0      # conf/experiment/bench.yaml's data.train.seed
 BATCH_SIZE = 128
 LR, MOMENTUM = 0.05, 0.9
@@ -40,7 +40,7 @@ HIDDEN = (256, 256)  # `--hidden` in overhead.py changes it, to look at overhead
 
 
 def make_model(num_features: int = 128, num_classes: int = 10, hidden: Sequence[int] = HIDDEN) -> nn.Module:
-    """128-256-256-10 with ReLU, written out as users do: the layers of experiments.models.MLP (minus its no-op
+    """128-256-256-10 with ReLU, written out as users do: the layers of framework.zoo.models.MLP (minus its no-op
     Flatten), created in the same order, so the same seed gives the same initial weights."""
     layers: list[nn.Module] = []
     width = num_features

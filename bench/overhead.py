@@ -103,7 +103,7 @@ def lightning_runner(device: str, hidden: tuple[int, ...] = handwritten.HIDDEN) 
     from torch import nn
     from torch.utils.data import DataLoader
 
-    from experiments.synthetic import classification
+    from framework.zoo.synthetic import classification
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:

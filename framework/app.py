@@ -20,7 +20,7 @@ from hydra.types import RunMode
 from omegaconf import Container, DictConfig, ListConfig, Node, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework import config, provenance, resume, rundir, sweep
+from framework import __version__, config, provenance, resume, rundir, sweep
 from framework.errors import ConfigError, Interrupted, UserError, full_error
 from framework.launch import WorkerFailed, spawn
 from framework.loggers import write_json
@@ -151,6 +151,8 @@ def _run(cfg: DictConfig, started: Optional[list] = None) -> Optional[float]:
                 started.append(True)
             try:
                 summary = launch(cfg, run_dir, checkpoint, params, choices)
+                if rank_zero and summary and (run_dir / "summary.json").is_file():  # not after a dry run
+                    summary = _write_summary(run_dir, summary)
                 break
             except DamagedCheckpoint as err:  # its state does not fit the live components: try an older one
                 if checkpoint is None:
@@ -178,9 +180,11 @@ def _settled(cfg: DictConfig, choices: dict[str, Any], checkpoint: Any, override
 
 
 def _conf_dirs(hydra_cfg: DictConfig) -> list[Path]:
-    """The file-system config trees this run was composed from (conf/ and any --config-dir)."""
-    return [Path(source.path) for source in hydra_cfg.runtime.config_sources
-            if source.schema == "file" and source.path and Path(source.path).is_dir()]
+    """The config trees this run was composed from: the user's (conf/, --config-dir) and the framework's
+    (pkg://framework.conf), not Hydra's own."""
+    found = (resume.source_dir(source.path, source.schema) for source in hydra_cfg.runtime.config_sources
+             if source.provider != "hydra" and source.path)
+    return [folder for folder in found if folder is not None]
 
 
 def _sweep_job(cfg: DictConfig) -> float:
@@ -192,8 +196,8 @@ def _sweep_job(cfg: DictConfig) -> float:
     except Interrupted as err:  # saved on a signal: requeued (submitit exits here), or reported as interrupted
         log.warning("%s", err)
         _requeue(cfg, err)
-        write_json(Path(HydraConfig.get().runtime.output_dir) / "summary.json",
-                   {"status": "interrupted", "error": str(err), "seconds": round(time.perf_counter() - start, 3)})
+        _write_summary(Path(HydraConfig.get().runtime.output_dir),
+                       {"status": "interrupted", "error": str(err), "seconds": round(time.perf_counter() - start, 3)})
         return float("nan")
     except (Exception, SystemExit) as err:  # noqa: BLE001  (recorded, reported at the end of the sweep)
         message = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
@@ -202,9 +206,15 @@ def _sweep_job(cfg: DictConfig) -> float:
         else:
             log.error("Error: %s", message)
         run_dir = Path(HydraConfig.get().runtime.output_dir)
-        write_json(run_dir / "summary.json", {"status": "failed", "error": message,
-                                               "seconds": round(time.perf_counter() - start, 3)})
+        _write_summary(run_dir, {"status": "failed", "error": message, "seconds": round(time.perf_counter() - start, 3)})
         return float("nan")
+
+
+def _write_summary(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """summary.json, naming the framework version that wrote it (over the trainer's, after a run)."""
+    summary = {**summary, "framework_version": __version__}
+    write_json(run_dir / "summary.json", summary)
+    return summary
 
 
 def launch(cfg: DictConfig, run_dir: Path, checkpoint: Any = None, hparams: Optional[dict[str, Any]] = None,

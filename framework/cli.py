@@ -1,4 +1,12 @@
-"""The command line's edge: a mistake Hydra finds while composing the config, reported in one line.
+"""The command line's edge: the entry point, and a mistake Hydra finds while composing the config in one line.
+
+`main` is `htf`, `python -m framework` and this repository's run.py alike. Hydra's main config path is the
+user's config tree, `--config-dir DIR` (or `--config-path DIR`, from the current directory); the framework's own
+tree (pkg://framework.conf) comes after it, so a primary config or option of the user's wins over the
+framework's of the same name, and without one the framework's conf/config.yaml runs. A user's primary config
+starts from the framework's defaults with `defaults: [htf, _self_, ...]`. `--version` prints the version. Before
+Hydra starts: the current directory's packages become importable (the user's models and data sets, as under
+`python -m`), and torchrun's non-zero ranks and `resume=` add their overrides to the command line.
 
 Hydra reports a bad override, an unknown option, a YAML syntax error or a run directory it cannot make in
 several lines of its own (or as a traceback) and exits. `run(main)` asks Hydra to raise them instead
@@ -19,16 +27,89 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+import hydra
 import yaml
+from hydra.core.config_search_path import ConfigSearchPath
+from hydra.core.plugins import Plugins
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
+from hydra.plugins.search_path_plugin import SearchPathPlugin
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from framework import __version__, app, config, launch, resume
 from framework.config import CLOSED_GROUPS, suggest_key
 from framework.errors import FORCED_FULL_ERROR, full_error
 
 _FRAMEWORK_DIR = str(Path(__file__).resolve().parent) + os.sep
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_CONFIG_DIR, _CONFIG_PATH, _CONFIG_NAME = ("--config-dir", "-cd"), ("--config-path", "-cp"), ("--config-name", "-cn")
+
+
+def main() -> None:
+    """`htf [--config-dir DIR] [--config-name NAME] [overrides]`, `python -m framework ...`, `python run.py ...`."""
+    if "--version" in sys.argv[1:]:  # Hydra's parser has no such flag
+        print(f"hydra-torch-framework {__version__}")
+        return
+    if os.getcwd() not in sys.path and "" not in sys.path:  # `htf`'s has its script's folder instead, as run.py's
+        sys.path.insert(0, os.getcwd())
+    config.register()  # the structured-config schemas the framework's tree is composed against
+    Plugins.instance().register(FrameworkConfigs)
+    sys.argv, trees = _user_tree(sys.argv)
+    sys.argv += launch.rank_zero_only_overrides()  # under torchrun: one run directory, from rank 0
+    name = _option(sys.argv[1:], _CONFIG_NAME) or "config"
+    sys.argv = resume.argv_with_saved_choices(sys.argv, [*trees, resume.framework_conf_dir()], name)  # resume=...
+    run(hydra.main(version_base="1.3", config_path=resume.framework_conf(), config_name="config")(_job))
+
+
+def _job(cfg: DictConfig) -> Any:
+    return app.main(cfg)
+
+
+class FrameworkConfigs(SearchPathPlugin):
+    """The framework's config tree, after the main config path (the user's) in Hydra's search path. Registered by
+    `main` in its own process: other Hydra applications in the same environment never see it."""
+
+    def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
+        tree = resume.framework_conf()
+        if resume.source_dir(tree) not in {resume.source_dir(e.path) for e in search_path.get_path() if e.path}:
+            search_path.append("framework", tree)
+
+
+def _option(args: Sequence[str], names: tuple[str, str]) -> Optional[str]:
+    """The value of a Hydra option (`--config-dir DIR`, `--config-dir=DIR`, `-cd DIR`), or None."""
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in names:
+            return value if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return None
+
+
+def _user_tree(argv: list[str]) -> tuple[list[str], list[Path]]:
+    """The command line with the user's config tree as Hydra's main config path, `--config-path` (absolute), and
+    the user's trees. Hydra would put a --config-dir after the framework's tree (the main one), where the
+    framework's config.yaml would shadow the user's; and would read a relative --config-path from the
+    framework's package."""
+    args = list(argv[1:])
+    config_dir, config_path = _option(args, _CONFIG_DIR), _option(args, _CONFIG_PATH)
+    if config_path is not None and not config_path.startswith("pkg://"):
+        args = [f"--config-path={Path(config_path).absolute()}", *_without(args, _CONFIG_PATH)]
+    elif config_path is None and config_dir is not None:
+        args = [f"--config-path={Path(config_dir).absolute()}", *_without(args, _CONFIG_DIR)]
+    trees = [Path(p).absolute() for p in (config_path, config_dir) if p is not None and not p.startswith("pkg://")]
+    return [argv[0], *args], trees
+
+
+def _without(args: list[str], names: tuple[str, str]) -> list[str]:
+    """`args` less the option `names` and its value."""
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif arg.partition("=")[0] not in names:
+            out.append(arg)
+    return out
 
 
 def run(main: Callable[[], Any]) -> None:

@@ -1,6 +1,7 @@
 """Export a trained model for use outside this framework, and prove the export computes what the checkpoint does.
 
     python -m framework.export RUN_DIR_OR_CHECKPOINT [--which best|last] [--out DIR] [--torchscript trace|script] [--raw]
+                               [--config-dir DIR]
 
 The model is rebuilt from the config stored in the checkpoint's meta.json and given its `model.safetensors`, or,
 when the run evaluated an EMA of its weights (callbacks.ema with use_for_eval), that average (`--raw`: the trained ones).
@@ -26,7 +27,7 @@ from safetensors.torch import load_file, save
 from framework.checkpoint import META_FILE, MODEL_FILE, Checkpoint, check_compatible, open_checkpoint
 from framework.errors import UserError
 from framework.instantiate import build
-from framework.resume import as_data, check_saved_targets, conf_targets
+from framework.resume import as_data, check_saved_targets, conf_targets, framework_conf_dir
 
 WEIGHTS_FILE, TORCHSCRIPT_FILE = "model.safetensors", "model.pt"
 
@@ -50,9 +51,10 @@ def find_checkpoint(path: Path, which: Optional[str]) -> Checkpoint:
     return open_checkpoint(folder / which)
 
 
-def build_model(checkpoint: Checkpoint, trust: bool = False) -> torch.nn.Module:
+def build_model(checkpoint: Checkpoint, trust: bool = False, conf_dir: Optional[Path] = None) -> torch.nn.Module:
     """The model as the stored config builds it (random weights), in eval mode. The stored config is data:
-    unless `trust`, its targets must be ones this project's conf/ or packages name (as on resume)."""
+    unless `trust`, its targets must be ones the project's config tree (`conf_dir`, default ./conf), the
+    framework's, the framework's package or the project's packages name (as on resume)."""
     saved = checkpoint.meta["config"]
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
         raise UserError(f"checkpoint {checkpoint.path}: its saved config has no model node; expected the config "
@@ -60,7 +62,8 @@ def build_model(checkpoint: Checkpoint, trust: bool = False) -> torch.nn.Module:
     cfg = OmegaConf.create(as_data({"model": saved["model"]}))
     if not trust:
         project = Path.cwd()
-        check_saved_targets(cfg, conf_targets([project / "conf"]), project, f"the config saved in {checkpoint.path}")
+        trees = [conf_dir or project / "conf", framework_conf_dir()]
+        check_saved_targets(cfg, conf_targets(trees), project, f"the config saved in {checkpoint.path}")
     return build(cfg.model, "model").eval()
 
 
@@ -98,11 +101,11 @@ def eval_weights(checkpoint: Checkpoint, raw: bool = False) -> tuple[dict[str, t
 
 
 def export(checkpoint: Checkpoint, out: Path, mode: str = "trace", trust: bool = False,
-           raw: bool = False) -> tuple[dict[str, float], str]:
+           raw: bool = False, conf_dir: Optional[Path] = None) -> tuple[dict[str, float], str]:
     """Write the two files under `out`, reload them, and return the max abs difference of each from the
     checkpoint's model on the example batch (raises UserError when outside tolerance), and which weights
     were exported."""
-    model = build_model(checkpoint, trust)
+    model = build_model(checkpoint, trust, conf_dir)
     weights, which = eval_weights(checkpoint, raw)
     check_compatible(model, weights, f"checkpoint {checkpoint.path}", strict=True)
     model.load_state_dict(weights)
@@ -124,7 +127,7 @@ def export(checkpoint: Checkpoint, out: Path, mode: str = "trace", trust: bool =
     (out / WEIGHTS_FILE).write_bytes(save(state, metadata=metadata))
     to_torchscript(model, batch, mode).save(str(out / TORCHSCRIPT_FILE))
 
-    fresh = build_model(checkpoint, trust)
+    fresh = build_model(checkpoint, trust, conf_dir)
     fresh.load_state_dict(load_file(str(out / WEIGHTS_FILE)))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*torch\.jit.*deprecated", category=FutureWarning)
@@ -160,11 +163,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="export the trained weights even where the run evaluated an EMA of them")
     parser.add_argument("--trust-saved-config", action="store_true",
                         help="build the model even if the saved config names targets this project does not")
+    parser.add_argument("--config-dir", type=Path, default=None,
+                        help="your config tree, whose targets the saved config may name (default: ./conf)")
     args = parser.parse_args(argv)
     try:
         checkpoint = find_checkpoint(args.path, args.which)
         out = args.out or default_out(checkpoint)
-        diffs, which = export(checkpoint, out, args.torchscript, args.trust_saved_config, args.raw)
+        diffs, which = export(checkpoint, out, args.torchscript, args.trust_saved_config, args.raw, args.config_dir)
     except UserError as err:
         print(f"Error: {err}", file=sys.stderr)
         return 1

@@ -13,12 +13,14 @@ that group's node as a whole, or, for groups whose state the checkpoint holds (m
 error. So that Hydra composes value overrides against the right options, `argv_with_saved_choices` adds the
 saved run's group choices to the command line before Hydra starts.
 
-A saved config is data, not code: it may only build `_target_`s that the user's own code names (the conf
-tree, this command line, the project's packages), unless `trust_saved_config=true`.
+A saved config is data, not code: it may only build `_target_`s that the user's own code names (the config
+trees the run is composed from, the framework's included; this command line; the framework's package and the
+project's, i.e. the packages under the current directory), unless `trust_saved_config=true`.
 """
 from __future__ import annotations
 
 import datetime
+import importlib.resources
 import importlib.util
 import json
 import logging
@@ -40,6 +42,8 @@ STATE_GROUPS = {"model": "its weights", "optimizer": "its optimizer state", "dat
                 "experiment": "a preset sets many groups at once"}
 _NOT_FROM_SAVED = ("resume", "init_from", "trust_saved_config")  # this invocation's own, never the saved run's
 _META_MAX_BYTES = 64 * 2**20
+# The framework's config tree as installed: pyproject.toml maps the repository's conf/ to this package.
+CONF_PACKAGE = "framework.conf"
 
 
 def _is_checkpoint(path: Path) -> bool:
@@ -159,6 +163,39 @@ def fall_back(resume: Optional[str], failed: Any, err: Exception) -> Any:
     return older
 
 
+# ---------------------------------------------------------------------------------------------- config trees
+def package_dir(package: str) -> Optional[Path]:
+    """The folder of an installed package of config files (Hydra's `pkg://PACKAGE`), or None without one."""
+    try:
+        folder = importlib.resources.files(package)
+    except (ImportError, ValueError, TypeError):
+        return None
+    return folder if isinstance(folder, Path) and folder.is_dir() else None
+
+
+def framework_conf_dir() -> Path:
+    """The framework's own config tree: the installed package framework.conf (a wheel's copy, or this checkout's
+    conf/ under an editable install), else, in a checkout that is not installed, conf/ beside framework/."""
+    return package_dir(CONF_PACKAGE) or Path(__file__).resolve().parent.parent / "conf"
+
+
+def framework_conf() -> str:
+    """Hydra's search-path entry for the framework's own config tree: `pkg://framework.conf` where installed."""
+    return f"pkg://{CONF_PACKAGE}" if package_dir(CONF_PACKAGE) is not None else str(framework_conf_dir())
+
+
+def source_dir(path: str, schema: Optional[str] = None) -> Optional[Path]:
+    """The folder of a config source (`pkg://a.b`, `file://DIR` or `DIR`; or Hydra's recorded path and schema),
+    or None where it is not one on disk."""
+    if schema is None:
+        schema, _, rest = path.partition("://")
+        schema, path = (schema, rest) if rest else ("file", path)
+    if schema == "pkg":
+        return package_dir(path.replace("/", "."))
+    folder = Path(path)
+    return folder.resolve() if schema == "file" and folder.is_dir() else None
+
+
 # ---------------------------------------------------------------------------------------------- argv
 def _read_meta(path: Path) -> Optional[dict[str, Any]]:
     """A checkpoint's meta.json as a dict, or None: only a regular file of sane size is read (never a FIFO)."""
@@ -192,29 +229,39 @@ def _override_key(arg: str) -> str:
     return arg.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
 
 
-def _primary_groups(conf_dirs: list[Path]) -> set[str]:
-    """Groups named in the primary config's defaults list (only those can be overridden without `+`)."""
-    for folder in conf_dirs:
-        path = folder / "config.yaml"
-        if path.is_file():
-            try:
-                defaults = (yaml.safe_load(path.read_text()) or {}).get("defaults", [])
-            except yaml.YAMLError:
-                return set()
-            return {next(iter(item)) for item in defaults if isinstance(item, dict) and len(item) == 1}
-    return set()
+def _primary_groups(conf_dirs: list[Path], config_name: str, seen: Optional[set[str]] = None) -> set[str]:
+    """Groups named in the primary config's defaults list, or in that of a config it starts from (`htf`): only
+    those can be overridden without `+`. The first tree that has a config wins, as in Hydra's search path."""
+    seen = seen if seen is not None else set()
+    path = next((folder / f"{config_name}.yaml" for folder in conf_dirs if (folder / f"{config_name}.yaml").is_file()),
+                None)
+    if path is None or config_name in seen:
+        return set()
+    seen.add(config_name)
+    try:
+        defaults = (yaml.safe_load(path.read_text()) or {}).get("defaults", [])
+    except (yaml.YAMLError, OSError, AttributeError):
+        return set()
+    groups: set[str] = set()
+    for item in defaults if isinstance(defaults, list) else ():
+        if isinstance(item, str) and item != "_self_":  # another config, e.g. the framework's `htf`
+            groups |= _primary_groups(conf_dirs, item.lstrip("/"), seen)
+        elif isinstance(item, dict) and len(item) == 1:  # group: option, `override group: option`
+            key = str(next(iter(item))).split()[-1]
+            groups.add(key.lstrip("/").split("@", 1)[0])
+    return groups
 
 
-def argv_with_saved_choices(argv: list[str], conf_dir: Path) -> list[str]:
+def argv_with_saved_choices(argv: list[str], conf_dirs: list[Path], config_name: str = "config") -> list[str]:
     """For `resume=...`: the command line plus the saved run's group choices it does not set itself
     (`model=cnn` for a cnn run), so Hydra composes this command line's value overrides against the options
-    the run used. Choices whose option file this conf tree lacks are left to the saved config alone."""
+    the run used. `conf_dirs`: the config trees, in Hydra's search order; choices whose option file none has
+    are left to the saved config alone."""
     args = argv[1:]
     overrides = [a for a in args if "=" in a and not a.startswith("-")]
     resume = next((a.split("=", 1)[1] for a in overrides if _override_key(a) == "resume"), None)
     if not resume or "-m" in args or "--multirun" in args:
         return argv
-    conf_dirs = [conf_dir] + [Path(args[i + 1]) for i, a in enumerate(args[:-1]) if a in ("--config-dir", "-cd")]
     if resume == AUTO:
         run_dir = next((a.split("=", 1)[1] for a in overrides if _override_key(a) == "hydra.run.dir"), None)
         meta = _newest_meta(Path(run_dir)) if run_dir else None
@@ -225,7 +272,7 @@ def argv_with_saved_choices(argv: list[str], conf_dir: Path) -> list[str]:
     if not isinstance(choices, dict):
         return argv
     given = {_override_key(a) for a in overrides}
-    groups = _primary_groups(conf_dirs)
+    groups = _primary_groups(conf_dirs, config_name)
     added = [f"{group}={option}" for group, option in choices.items()
              if isinstance(group, str) and isinstance(option, str) and group in groups and group not in given
              and not group.startswith("hydra") and option.replace("_", "").replace("-", "").isalnum()
@@ -409,14 +456,11 @@ def conf_targets(conf_dirs: list[Path]) -> set[str]:
     return found
 
 
-def _is_project_code(target: str, project: Path) -> bool:
-    """A dotted path to something defined in a package of the user's project (under `project`, not an
-    installed library). The package is found without importing anything else; only then is the object
-    located (importing the project's own modules), and it must be defined there: `framework.resume.os.system`
-    reaches `os.system` through a project module and is refused."""
-    top = target.split(".", 1)[0]
+def _in_project(top: str, project: Path) -> bool:
+    """Is the top-level package `top` one of the project's own (under `project`, not an installed library)? Found,
+    not imported."""
     try:
-        spec = importlib.util.find_spec(top)  # a top-level name: found, not imported
+        spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
         return False
     if spec is None:
@@ -428,8 +472,17 @@ def _is_project_code(target: str, project: Path) -> bool:
         if "site-packages" in resolved.parts or "dist-packages" in resolved.parts:
             return False
         if resolved.is_relative_to(project.resolve()):
-            break
-    else:
+            return True
+    return False
+
+
+def _is_project_code(target: str, project: Path) -> bool:
+    """A dotted path to something defined in the framework's package (wherever it is installed) or in a package
+    of the user's project (under `project`, the current directory). The package is found without importing
+    anything else; only then is the object located (importing the project's own modules), and it must be defined
+    there: `framework.resume.os.system` reaches `os.system` through a framework module and is refused."""
+    top = target.split(".", 1)[0]
+    if top != __name__.split(".", 1)[0] and not _in_project(top, project):
         return False
     from framework.instantiate import locate
 
@@ -442,12 +495,13 @@ def _is_project_code(target: str, project: Path) -> bool:
 
 def check_saved_targets(cfg: DictConfig, trusted: set[str], project: Path, source: str) -> None:
     """Refuse, before anything is built, a `_target_` that came from a saved config and that the user's own
-    code does not name (`trusted`: the conf tree and this command line; plus `project`'s packages)."""
+    code does not name (`trusted`: the config trees and this command line; plus the framework's and `project`'s
+    packages)."""
     container = OmegaConf.to_container(cfg, resolve=False)
     for key, target in targets(container):
         if isinstance(target, str) and (target in trusted or _is_project_code(target, project)):
             continue
-        raise ConfigError(f"{key}={target!r}: {source} names a target that neither this project's conf tree, "
-                          "this command line nor its own packages name, so it is not built (a saved config is "
-                          "data, not code); expected a target of your own, or trust_saved_config=true for a run "
-                          "you trust")
+        raise ConfigError(f"{key}={target!r}: {source} names a target that neither the config trees, this "
+                          "command line, the framework nor this project's own packages name, so it is not built "
+                          "(a saved config is data, not code); expected a target of your own, or "
+                          "trust_saved_config=true for a run you trust")

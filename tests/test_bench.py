@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import ROOT, read_scalars
-from experiments.synthetic import classification
+from framework.zoo.synthetic import classification
 from framework.trainer import Trainer
 
 sys.path.insert(0, str(ROOT / "bench"))

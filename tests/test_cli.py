@@ -57,7 +57,7 @@ def test_compose_mistake_is_one_line_naming_it_and_what_is_valid(tmp_path: Path,
 def test_yaml_syntax_error_names_file_and_line(tmp_path: Path) -> None:
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)
-    (conf / "model" / "cnn.yaml").write_text("_target_: experiments.models.SimpleCNN\nhidden: [1, 2\ndropout: 0.0\n")
+    (conf / "model" / "cnn.yaml").write_text("_target_: framework.zoo.models.SimpleCNN\nhidden: [1, 2\ndropout: 0.0\n")
     line = error_line(run_cli(tmp_path / "run", "model=cnn", f"--config-path={conf}"))
     assert_in(line, f"{conf / 'model' / 'cnn.yaml'} line 3: invalid YAML (expected ',' or ']'")
 

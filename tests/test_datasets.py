@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import make_cifar10, make_image_folder, make_mnist, output, run_cli, write_idx
-from experiments.datasets import digits
+from framework.zoo.datasets import digits
 from framework.data import DataModule
 from framework.errors import ConfigError
 from framework.instantiate import build

@@ -19,7 +19,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassAUROC, MulticlassF1Score
 
 from conftest import output, run_cli
-from experiments.datasets import digits
+from framework.zoo.datasets import digits
 from framework.errors import ConfigError
 from framework.metrics import Accuracy
 from framework.task import ClassificationTask

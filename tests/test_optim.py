@@ -151,7 +151,7 @@ def test_warmup_cosine_rises_linearly_then_decays_to_min_lr(compose):
 
 
 def test_lambda_preset_calls_the_configured_callable(compose):
-    from experiments.schedules import inverse_sqrt
+    from framework.zoo.schedules import inverse_sqrt
 
     opt, sched, _ = scheduler_for(compose, "lambda", "scheduler.lr_lambda.warmup_steps=5")
     assert [r[0] for r in curve(opt, sched.scheduler, 20)] == pytest.approx(

@@ -192,7 +192,7 @@ def test_a_learning_rate_given_on_resume_takes_effect_and_is_logged(tmp_path):
 def test_a_config_file_of_the_users_own_comes_back_from_the_checkpoint(tmp_path):
     extra = tmp_path / "myconf" / "model"
     extra.mkdir(parents=True)
-    (extra / "tiny.yaml").write_text("_target_: experiments.models.MLP\ninput_shape: ${data.input_shape}\n"
+    (extra / "tiny.yaml").write_text("_target_: framework.zoo.models.MLP\ninput_shape: ${data.input_shape}\n"
                                      "num_classes: ${data.num_classes}\nhidden: [16]\n")
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "--config-dir", str(tmp_path / "myconf"),

@@ -28,4 +28,4 @@ def test_experiment_preset_uses_a_users_own_task(tmp_path):
 def test_cfg_job_prints_the_composed_config_without_running(tmp_path):
     proc = run_cli(tmp_path / "run", "model=cnn", "--cfg", "job")
     assert proc.returncode == 0, output(proc)
-    assert "experiments.models.CNN" in proc.stdout and not (tmp_path / "run").exists()
+    assert "framework.zoo.models.CNN" in proc.stdout and not (tmp_path / "run").exists()

@@ -246,7 +246,7 @@ FIRST_BATCH = [
     case("data.val._target_=test_validation.Triples", says=("data.val: its first batch",), id="val-split-checked"),
     case("data.train._target_=test_validation.Stream", says=("data.train: Stream cannot be indexed", "map-style"),
          id="iterable-dataset"),
-    case("data.test=experiments.datasets.digits", says=("data.test='experiments.datasets.digits'", "_target_"),
+    case("data.test=framework.zoo.datasets.digits", says=("data.test='framework.zoo.datasets.digits'", "_target_"),
          id="dataset-without-_target_"),
     case("model._target_=test_validation.TwoOutputs", "~model.hidden", "~model.dropout",
          says=("model: returned a tuple of (shape (64, 10) float32", "expected a tensor of scores"), id="tuple-output"),
@@ -317,9 +317,9 @@ def test_unannotated_function_target_gets_both_advices(tmp_path: Path) -> None:
 
 
 def test_function_building_an_object_keeps_the_plain_advice(tmp_path: Path) -> None:
-    # experiments.datasets.digits is a function that builds a dataset: its missing `split` is a config value.
+    # framework.zoo.datasets.digits is a function that builds a dataset: its missing `split` is a config value.
     line = fail(tmp_path, "~data.train.split")
-    assert line == ("Error: data.train.split is not set: experiments.datasets.digits needs the argument 'split'; "
+    assert line == ("Error: data.train.split is not set: framework.zoo.datasets.digits needs the argument 'split'; "
                     "expected it in the config, e.g. +data.train.split=VALUE"), line
 
 
