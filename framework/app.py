@@ -219,14 +219,15 @@ def _write_summary(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
 
 def launch(cfg: DictConfig, run_dir: Path, checkpoint: Any = None, hparams: Optional[dict[str, Any]] = None,
            choices: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """In this process, or, for parallel=ddp without a launcher, in one spawned process per device."""
+    """In this process, or, for parallel=ddp or fsdp without a launcher, in one spawned process per device."""
     from framework.parallel import default_devices, under_launcher  # imported after validation: fail fast
 
-    if cfg.parallel.strategy == "ddp" and not under_launcher():
+    if cfg.parallel.strategy in ("ddp", "fsdp") and not under_launcher():
         OmegaConf.resolve(cfg)  # spawned workers have no HydraConfig to resolve `${hydra:...}` with
         spawn(cfg, run_dir, cfg.parallel.devices or default_devices(),
               checkpoint.path if checkpoint is not None else None, hparams, choices)
-        return json.loads((run_dir / "summary.json").read_text())
+        summary = run_dir / "summary.json"  # a dry run writes none
+        return json.loads(summary.read_text()) if summary.is_file() else {}
     from framework.trainer import train
 
     return train(cfg, run_dir, resume_from=checkpoint, hparams=hparams, choices=choices)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
@@ -208,7 +209,8 @@ class EMA(Callback):
     `use_for_eval`: validation and test run on the averaged weights (so `val/*`, top-k and `best` rank them, and
     `python -m framework.export` exports them); the raw weights are swapped back before training goes on, so a
     resumed run continues exactly. Floating-point buffers (BatchNorm statistics) are averaged too; others are
-    copied. The averages live in the checkpoint's state (`callbacks/<name>/weights`)."""
+    copied. The averages live in the checkpoint's state (`callbacks/<name>/weights`). Under parallel=fsdp each
+    rank averages its own shards (the averages are DTensors like the weights), and saves them."""
 
     def __init__(self, decay: float = 0.999, warmup: bool = True, use_for_eval: bool = True) -> None:
         if not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
@@ -225,8 +227,9 @@ class EMA(Callback):
     def setup(self, trainer: "Trainer", task: "Task") -> None:
         live = trainer.module.state_dict(keep_vars=True)
         self.weights = {name: t.detach().clone() for name, t in live.items()}  # a resume loads over these
-        self._live = [live[name].detach() for name in self.weights]
-        pairs = list(zip(self.weights.values(), self._live))
+        # The arithmetic runs on local tensors: a sharded weight's is a view of this rank's shard.
+        self._live = [_local(live[name].detach()) for name in self.weights]
+        pairs = list(zip(map(_local, self.weights.values()), self._live))
         self._averaged = [ema for ema, t in pairs if t.is_floating_point()]
         self._float_live = [t for _, t in pairs if t.is_floating_point()]
         self._copied = [(ema, t) for ema, t in pairs if not t.is_floating_point()]
@@ -243,7 +246,7 @@ class EMA(Callback):
     def _swap_in(self) -> None:
         if self.use_for_eval and self._live:
             self._raw = [t.clone() for t in self._live]
-            torch._foreach_copy_(self._live, list(self.weights.values()))
+            torch._foreach_copy_(self._live, [_local(t) for t in self.weights.values()])
 
     @torch.no_grad()
     def _swap_out(self) -> None:
@@ -274,6 +277,13 @@ class EMA(Callback):
         with torch.no_grad():
             for name, tensor in state["weights"].items():
                 self.weights[name].copy_(tensor)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a weight sharded by FSDP), a view that in-place updates reach; any other
+    tensor as it is. Without torch.distributed.tensor imported, no DTensor exists (and the import is not paid)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor.DTensor) else tensor
 
 
 class Timer(Callback):

@@ -91,6 +91,11 @@ class StrategyName(str, Enum):
     single = "single"
     dp = "dp"
     ddp = "ddp"
+    fsdp = "fsdp"
+
+
+# The strategies that run one process per device (spawned by the app, or under torchrun).
+PROCESS_STRATEGIES = (StrategyName.ddp, StrategyName.fsdp)
 
 
 @dataclass
@@ -101,6 +106,11 @@ class ParallelConfig:
     find_unused_parameters: bool = False
     static_graph: bool = False
     timeout_s: int = 1800
+    # FSDP's own (parallel=fsdp): the module classes that become shard units (null: the model's blocks, [] :
+    # the root only), whether a unit frees its gathered weights after forward, and weights kept on the CPU.
+    shard_modules: Optional[list[str]] = None
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
 
 
 @dataclass
@@ -269,7 +279,7 @@ def validate(cfg: DictConfig) -> None:
              "a number of seconds > 0")
     _check_callbacks(cfg.get("callbacks", DictConfig({})))
     _check_checkpoint(cfg.checkpoint, cfg.data)
-    _check_parallel(cfg.parallel, cfg.trainer.device)
+    _check_parallel(cfg.parallel, cfg.trainer.device, cfg.trainer, cfg.precision)
     low, high = SEED_RANGE
     _require(_is_int(cfg.seed) and low <= cfg.seed <= high, "seed", cfg.seed, f"a whole number in {low}..{high}")
     if isinstance(cfg.data, DictConfig):
@@ -342,24 +352,47 @@ def _check_checkpoint(ck: DictConfig, data: Any) -> None:
              ck.save_top_k, f"0 when data.val=null (nothing computes {ck.monitor}), or a data.val split")
 
 
-def _check_parallel(p: DictConfig, device: str) -> None:
-    ddp = p.strategy == StrategyName.ddp
+def _check_parallel(p: DictConfig, device: str, trainer: DictConfig, precision: DictConfig) -> None:
+    processes = p.strategy in PROCESS_STRATEGIES
+    fsdp = p.strategy == StrategyName.fsdp
     strategy = getattr(p.strategy, "value", p.strategy)
     _require(p.devices is None or p.devices >= 1, "parallel.devices", p.devices,
              "null (one process per GPU, or 2 on CPU) or a number of processes >= 1")
-    _require(p.devices is None or ddp, "parallel.devices", p.devices,
-             f"null with parallel={strategy} (only parallel=ddp starts processes), or parallel=ddp")
+    _require(p.devices is None or processes, "parallel.devices", p.devices,
+             f"null with parallel={strategy} (only parallel=ddp and parallel=fsdp start processes), or parallel=ddp")
     if p.backend is not None:
         _require(_backends(p.backend) is not None, "parallel.backend", p.backend,
                  f"null (nccl on CUDA, gloo on CPU), one of {', '.join(DIST_BACKENDS)}, or one per device "
                  "as cpu:gloo,cuda:nccl")
-        _require(ddp, "parallel.backend", p.backend, f"null with parallel={strategy}, or parallel=ddp")
+        _require(processes, "parallel.backend", p.backend, f"null with parallel={strategy}, or parallel=ddp")
     for key in ("find_unused_parameters", "static_graph"):  # DDP's own options
-        _require(ddp or not p[key], f"parallel.{key}", p[key], f"false with parallel={strategy}, or parallel=ddp")
+        _require(p.strategy == StrategyName.ddp or not p[key], f"parallel.{key}", p[key],
+                 f"false with parallel={strategy}, or parallel=ddp")
+    # FSDP's own options, at their defaults under any other strategy.
+    _require(fsdp or p.shard_modules is None, "parallel.shard_modules", _listed(p.shard_modules),
+             f"null with parallel={strategy}, or parallel=fsdp")
+    _require(fsdp or p.reshard_after_forward, "parallel.reshard_after_forward", p.reshard_after_forward,
+             f"true with parallel={strategy}, or parallel=fsdp")
+    _require(fsdp or not p.cpu_offload, "parallel.cpu_offload", p.cpu_offload,
+             f"false with parallel={strategy}, or parallel=fsdp")
+    for i, name in enumerate(p.shard_modules or []):
+        _require(re.fullmatch(r"[A-Za-z_][\w.]*", name) is not None, f"parallel.shard_modules[{i}]", name,
+                 "the dotted path of an nn.Module class, e.g. torch.nn.TransformerEncoderLayer")
+    if fsdp:
+        mode = getattr(precision.mode, "value", precision.mode)
+        _require(mode != "fp16", "precision.mode", mode,
+                 "fp32 or bf16 with parallel=fsdp (FSDP computes in bf16 with fp32 master weights and reductions; "
+                 "fp16's GradScaler does not see gradients sharded over ranks)")
+        _require(not trainer.compile, "trainer.compile", trainer.compile,
+                 "false with parallel=fsdp (compiling a sharded model is not supported here yet)")
     longest = int(timedelta.max.total_seconds())
     _require(1 <= p.timeout_s <= longest, "parallel.timeout_s", p.timeout_s, f"a number of seconds in 1..{longest}")
-    _require(not (ddp and device.startswith("cuda")), "trainer.device", device,
-             "'auto' with parallel=ddp (each process takes the GPU of its local rank), or 'cpu'")
+    _require(not (processes and device.startswith("cuda")), "trainer.device", device,
+             f"'auto' with parallel={strategy} (each process takes the GPU of its local rank), or 'cpu'")
+
+
+def _listed(value: Any) -> Any:
+    return list(value) if isinstance(value, ListConfig) else value
 
 
 def _backends(value: str) -> Optional[list[str]]:
@@ -389,7 +422,7 @@ def _check_data(data: DictConfig) -> None:
 def _check_hardware(device: str, p: DictConfig) -> None:
     """What this machine has, for settings that name hardware (a GPU, a number of GPUs, a backend). torch is
     imported only for them: `auto` and `cpu` need no check, so most bad configs still fail before it loads."""
-    ddp = p.strategy == StrategyName.ddp
+    ddp = p.strategy in PROCESS_STRATEGIES
     if device in ("auto", "cpu") and not (ddp and (p.devices is not None or p.backend is not None)):
         return
     import torch

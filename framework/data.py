@@ -4,14 +4,15 @@ Two ways to make batches, same order:
 - the in-memory fast path, for datasets made of tensors (a `TensorDataset`, or anything exposing `.tensors`)
   when no worker processes are asked for: each epoch permutes the tensors once, then yields contiguous
   slices, so a batch costs a view instead of `batch_size` lookups and a collate;
-- a `torch.utils.data.DataLoader` with our `EpochSampler`, for everything else.
+- a `torch.utils.data.DataLoader` with our `EpochSampler`, for everything else, and for any dataset given a
+  `collate_fn` (built by `_target_`, as Lightning's loaders take one: text of varying lengths, dicts, ...).
 Either way the order depends only on (seed, epoch, rank, world size), never on the global RNG, so a run
 resumed at batch k of an epoch sees exactly the batches an uninterrupted run would.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
@@ -91,19 +92,26 @@ class DataModule:
     """Holds the train/val/test datasets and the loader options from `data.*` in the config.
 
     `num_classes`, `input_shape` and `root` describe the data for the rest of the config (the model reads
-    `${data.num_classes}`, datasets read `${data.root}`); the DataModule itself only batches.
+    `${data.num_classes}`, datasets read `${data.root}`); the DataModule itself only batches. `collate_fn` turns
+    a list of samples into a batch (default: torch's default_collate), e.g.
+    `collate_fn: {_target_: experiments.lm.next_token_batch, _partial_: true}`.
     """
 
     def __init__(self, train: Dataset, val: Optional[Dataset] = None, test: Optional[Dataset] = None, *,
                  num_classes: Optional[int] = None, input_shape: Optional[Sequence[int]] = None,
                  root: Optional[str] = None, batch_size: int = 64, eval_batch_size: Optional[int] = None,
                  shuffle: bool = True, drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False,
-                 persistent_workers: bool = False, prefetch_factor: Optional[int] = None) -> None:
+                 persistent_workers: bool = False, prefetch_factor: Optional[int] = None,
+                 collate_fn: Optional[Callable[[list], Any]] = None) -> None:
         self.datasets = {"train": train, "val": val, "test": test}
         self.num_classes, self.input_shape, self.root = num_classes, input_shape, root
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self.shuffle, self.drop_last = shuffle, drop_last
+        if collate_fn is not None and not callable(collate_fn):
+            raise ConfigError(f"data.collate_fn={collate_fn!r}: expected a callable turning a list of samples into a "
+                              "batch, e.g. {_target_: my_module.my_collate, _partial_: true}")
+        self.collate_fn = collate_fn
         self.loader_options: dict[str, Any] = {
             "num_workers": num_workers,
             "pin_memory": pin_memory and torch.cuda.is_available(),  # pinning without a GPU only warns
@@ -132,11 +140,11 @@ class DataModule:
             batch_size = self.batch_size if train else self.eval_batch_size
             drop_last = self.drop_last and train
             tensors = dataset_tensors(dataset)
-            if tensors is not None and self.loader_options["num_workers"] == 0:
+            if tensors is not None and self.loader_options["num_workers"] == 0 and self.collate_fn is None:
                 loader: Iterable = TensorBatches(tensors, sampler, batch_size, drop_last)
             else:
                 loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
-                                    generator=generator(seed), **self.loader_options)
+                                    generator=generator(seed), collate_fn=self.collate_fn, **self.loader_options)
             self._loaders[split] = (sampler, loader)
 
     def batches(self, split: str, epoch: int = 0, start_batch: int = 0) -> Iterable:

@@ -1,21 +1,28 @@
-"""Where a run executes: one device (`single`), nn.DataParallel (`dp`), or one process per device (`ddp`).
+"""Where a run executes: one device (`single`), nn.DataParallel (`dp`), or one process per device, with the
+whole model on each (`ddp`) or each holding a shard of it (`fsdp`).
 
 A strategy only places and wraps: it picks the device, wraps the model for training, unwraps it for
 everything saved or logged, reduces tensors across processes and says which rank does I/O. Launching the
 processes is not its job (framework/app.py spawns them, or torchrun did); it joins the process group that
-the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) describes.
+the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) describes. Under `fsdp` the
+model's parameters become DTensors (each rank keeps its shard); `sharded` tells the checkpoint side that every
+rank writes its own shards, and `collective_forward` tells the trainer that a forward pass gathers weights
+from every rank, so every rank must run the same number of them.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import logging
 import os
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch import nn
 
 from framework.errors import ConfigError
+from framework.instantiate import error_line
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +44,7 @@ def under_launcher() -> bool:
 
 
 def default_devices() -> int:
-    """Processes for parallel=ddp when parallel.devices is not set: one per GPU, or 2 on CPU."""
+    """Processes for parallel=ddp/fsdp when parallel.devices is not set: one per GPU, or 2 on CPU."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
@@ -47,6 +54,9 @@ class Strategy:
     name = "single"
     rank = 0
     world_size = 1
+    mesh: Any = None  # the DeviceMesh a sharded model's DTensors live on (fsdp)
+    sharded = False  # every rank holds (and saves) only its shard of the training state
+    collective_forward = False  # a forward pass communicates: every rank must run as many as the others
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -55,7 +65,9 @@ class Strategy:
     def is_rank_zero(self) -> bool:
         return self.rank == 0
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, param_dtype: Optional[torch.dtype] = None) -> nn.Module:
+        """The model as training runs it. `param_dtype`: the autocast dtype of the run (bf16), which a sharded
+        model also gathers its weights in."""
         return model
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -92,7 +104,7 @@ class DataParallelStrategy(Strategy):
 
     name = "dp"
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, param_dtype: Optional[torch.dtype] = None) -> nn.Module:
         return nn.DataParallel(model)
 
 
@@ -122,7 +134,7 @@ class DDPStrategy(Strategy):
             dist.init_process_group(backend, timeout=timeout, rank=self.rank, world_size=self.world_size,
                                     store=_elastic_attempt_store(timeout, self.world_size))
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, param_dtype: Optional[torch.dtype] = None) -> nn.Module:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids,
                                                    find_unused_parameters=self.find_unused_parameters,
@@ -167,6 +179,119 @@ class DDPStrategy(Strategy):
             self.dist.destroy_process_group()
 
 
+class FSDPStrategy(DDPStrategy):
+    """DDP's processes, group and reductions, with the model fully sharded (FSDP2's `fully_shard`): each rank
+    keeps 1/world_size of every parameter, gradient and optimizer state, gathers a unit's weights for its
+    forward and backward, and reduce-scatters its gradients. The optimizer is built on the sharded parameters
+    (DTensors), so it steps on the local shard only."""
+
+    name = "fsdp"
+    sharded = True
+    collective_forward = True
+
+    def __init__(self, parallel_cfg: Any, device: str) -> None:
+        super().__init__(parallel_cfg, device)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        self.shard_types = _module_classes(parallel_cfg.shard_modules)
+        self.reshard_after_forward = parallel_cfg.reshard_after_forward
+        self.cpu_offload = parallel_cfg.cpu_offload
+
+    def wrap(self, model: nn.Module, param_dtype: Optional[torch.dtype] = None) -> nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        if param_dtype is torch.float16:  # precision=amp on a GPU without bf16 (config.validate refuses fp16 itself)
+            raise ConfigError("precision.mode=amp: this device has no bf16, so amp means fp16 with a GradScaler, "
+                              "which does not see gradients sharded over ranks; expected precision=fp32 with "
+                              "parallel=fsdp on this device")
+        # bf16: weights gathered and computed in bf16, gradients reduced in fp32 into fp32 master shards.
+        precision = MixedPrecisionPolicy(param_dtype=param_dtype,
+                                         reduce_dtype=torch.float32 if param_dtype is not None else None)
+        offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.cpu_offload else OffloadPolicy()
+        units = shard_units(model, self.shard_types)
+        for unit in units:  # innermost first: a unit's parameters are those no unit inside it took
+            fully_shard(unit, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward,
+                        mp_policy=precision, offload_policy=offload)
+        fully_shard(model, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=precision,
+                    offload_policy=offload)
+        log.info("parallel=fsdp: %d shard unit%s and the root, over %d processes", len(units),
+                 "" if len(units) == 1 else "s", self.world_size)
+        return model
+
+    def no_sync(self, model: nn.Module) -> Optional[Callable[[], ContextManager[Any]]]:
+        # Gradients of micro-batches before the last are accumulated unsharded; the last one's backward
+        # reduce-scatters the sum: one reduction per optimizer step, as DDP's no_sync.
+        return functools.partial(_gradient_sync_off, model) if hasattr(model, "set_requires_gradient_sync") else None
+
+    def for_eval(self, model: nn.Module) -> nn.Module:
+        # The sharded module itself (its forward gathers the weights); buffers are not sharded and FSDP never
+        # syncs them, so every rank evaluates with rank 0's, the ones export uses.
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            for buffer in model.buffers():
+                if not isinstance(buffer, DTensor):
+                    self.dist.broadcast(buffer, 0)
+        return model
+
+
+@contextlib.contextmanager
+def _gradient_sync_off(model: Any) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def shard_units(model: nn.Module, types: Optional[tuple[type, ...]]) -> list[nn.Module]:
+    """The modules `fully_shard` makes units of, innermost first. `types` None: the model's blocks, i.e. its
+    children with parameters, looking inside containers (a ModuleList has no forward to gather weights in);
+    otherwise every module of those classes (an empty tuple: none, the root alone)."""
+    if types is None:
+        def blocks(module: nn.Module) -> Iterator[nn.Module]:
+            for child in module.children():
+                if isinstance(child, _CONTAINERS):
+                    yield from blocks(child)
+                elif any(True for _ in child.parameters()):
+                    yield child
+        return list(blocks(model))
+    if not types:
+        return []
+    units = [m for m in reversed(list(model.modules())) if m is not model and isinstance(m, types)]
+    if not units:
+        used = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()})
+        raise ConfigError(f"parallel.shard_modules={[t.__qualname__ for t in types]}: the model has no module of "
+                          f"these classes; expected some of the classes it uses ({', '.join(used[:6])}"
+                          f"{', ...' if len(used) > 6 else ''}), null for its blocks, or [] for the root only")
+    return units
+
+
+def _module_classes(names: Any) -> Optional[tuple[type, ...]]:
+    """`parallel.shard_modules` as classes (None stays None: the default units)."""
+    if names is None:
+        return None
+    from hydra._internal.utils import _locate  # what instantiate resolves targets with
+
+    found = []
+    for i, name in enumerate(names):
+        try:
+            cls = _locate(str(name))
+        except Exception as err:  # ImportError or ValueError from Hydra's locator; the cause says what is missing
+            raise ConfigError(f"parallel.shard_modules[{i}]={name!r} cannot be imported: "
+                              f"{error_line(err.__cause__ or err)}; expected the dotted path of an nn.Module class, "
+                              "e.g. torch.nn.TransformerEncoderLayer") from None
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ConfigError(f"parallel.shard_modules[{i}]={name!r}: not an nn.Module class; expected one such as "
+                              "torch.nn.TransformerEncoderLayer")
+        found.append(cls)
+    return tuple(found)
+
+
 def _elastic_attempt_store(timeout: datetime.timedelta, world_size: int) -> Optional[Any]:
     """Under torchrun's restarts, the store for this attempt only; None: init_process_group's own (env://).
 
@@ -186,11 +311,12 @@ def _elastic_attempt_store(timeout: datetime.timedelta, world_size: int) -> Opti
 
 
 def build_strategy(parallel_cfg: Any, device: str) -> Strategy:
-    if parallel_cfg.strategy == "ddp":
+    if parallel_cfg.strategy in ("ddp", "fsdp"):
+        name = getattr(parallel_cfg.strategy, "value", parallel_cfg.strategy)
         if not under_launcher():
-            raise RuntimeError("parallel=ddp needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: start it "
-                               "with `python run.py parallel=ddp` (which spawns the workers) or torchrun")
-        return DDPStrategy(parallel_cfg, device)
+            raise RuntimeError(f"parallel={name} needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: start it "
+                               f"with `python run.py parallel={name}` (which spawns the workers) or torchrun")
+        return (FSDPStrategy if name == "fsdp" else DDPStrategy)(parallel_cfg, device)
     chosen = pick_device(device)
     if parallel_cfg.strategy == "dp":
         if chosen.type == "cuda" and torch.cuda.device_count() >= 2:

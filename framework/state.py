@@ -1,11 +1,12 @@
 """One home for a run's resumable state.
 
 Every stateful piece of a run registers here once, by name, as an object with `state_dict()` and
-`load_state_dict()`: the model (its weights go to `model.safetensors`), the optimizer, the scheduler, precision's
-GradScaler, the loop's position (`Progress`), the checkpoint registry, the metrics, the callbacks and every
-rank's RNG. A checkpoint is `TrainingState.collect()`; a resume is `check()` (every part against its live
-counterpart, before any is loaded, so a checkpoint that does not fit leaves nothing half-restored) then
-`load()`. New resumable state is one `register` call.
+`load_state_dict()`: the model (its weights go to `model.safetensors`; under FSDP they are DTensors, and each
+rank saves its own shards), the optimizer, the scheduler, precision's GradScaler, the loop's position
+(`Progress`), the checkpoint registry, the metrics, the callbacks and every rank's RNG. A checkpoint is
+`TrainingState.collect()`; a resume is `check()` (every part against its live counterpart, before any is
+loaded, so a checkpoint that does not fit leaves nothing half-restored) then `load()`. New resumable state is
+one `register` call.
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ import itertools
 import logging
 import math
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -70,6 +71,25 @@ def _max_memory_mb(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor (a value computed from sharded parameters, e.g. a gradient norm under FSDP) as the whole tensor,
+    on every rank (a collective: every rank logs it at the same point); any other tensor as it is. Without
+    torch.distributed.tensor imported (no FSDP), no DTensor can exist, and the import is not paid for."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return value.full_tensor() if dtensor is not None and isinstance(value, dtensor.DTensor) else value
+
+
+def _rows(batch: Any, n: int) -> Any:
+    """The first `n` samples of a batch (every tensor in it cut along its first dimension)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:n]
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_rows(b, n) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _rows(v, n) for k, v in batch.items()}
+    return batch
 
 
 def _limit(limit: Union[int, float], available: int) -> int:
@@ -173,12 +193,23 @@ class Trainer:
         if not isinstance(self.task, Task):
             raise ConfigError(f"task._target_={cfg.task._target_!r}: expected a framework.task.Task subclass")
         self.task.trainer = self  # for the task's log() and logger
-        self.task.to(self.device)
+        if self.strategy.sharded:  # FSDP moves each rank's shards of the model to the device in wrap (below): a
+            for child in self.task.children():  # model larger than one device is never whole on one
+                if child is not model:
+                    child.to(self.device)
+        else:
+            self.task.to(self.device)
         if cfg.get("init_from"):
             weights = load_weights(Path(cfg.init_from))
             check_compatible(self.task.model, weights, f"init_from={cfg.init_from!r}", cfg.init_strict)
             self.task.model.load_state_dict(weights, strict=cfg.init_strict)
-        self.optimizer, self.frozen = build_optimizer(cfg.optimizer, self.task.model)
+        self.precision = Precision(cfg.precision.mode.value, self.device)
+        if t.compile:
+            self.task.model = torch.compile(self.task.model)
+        # Wrapped before the optimizer is built: FSDP replaces the parameters by their shards (DTensors), which
+        # the optimizer must hold (DDP and DataParallel keep the same ones).
+        self.task.model = self.strategy.wrap(self.task.model, param_dtype=self.precision.dtype)
+        self.optimizer, self.frozen = build_optimizer(cfg.optimizer, self.module)
         self.param_group_names = group_names(self.optimizer)
         self.train_batches = _limit(1 if self.fast_dev_run else t.limit_train_batches, self.data.num_batches("train"))
         if self.train_batches == 0:
@@ -187,11 +218,7 @@ class Trainer:
         self.steps_per_epoch = math.ceil(self.train_batches / self.accumulate)
         self.scheduler = build_scheduler(cfg.scheduler, self.optimizer, max_steps=self.max_steps,
                                          max_epochs=self.max_epochs, steps_per_epoch=self.steps_per_epoch)
-        self.precision = Precision(cfg.precision.mode.value, self.device)
         self.params = [p for p in self.task.parameters() if p.requires_grad]
-        if t.compile:
-            self.task.model = torch.compile(self.task.model)
-        self.task.model = self.strategy.wrap(self.task.model)
 
         rank_zero = self.strategy.is_rank_zero
         ck = cfg.checkpoint
@@ -199,7 +226,7 @@ class Trainer:
             self.run_dir / "checkpoints", save_last=ck.save_last, every_n_steps=ck.every_n_steps,
             every_n_epochs=ck.every_n_epochs, keep_last=ck.keep_last, monitor=ck.monitor, mode=ck.mode.value,
             save_top_k=ck.save_top_k, enabled=rank_zero and not self.fast_dev_run, fsync=ck.fsync,
-            async_save=ck.async_save)
+            async_save=ck.async_save, shards=self.strategy if self.strategy.sharded and not self.fast_dev_run else None)
         self.callbacks = CallbackList(build_callbacks(cfg))
         self._check_monitors_exist()
         self.on_signal = ck.on_signal and not self.fast_dev_run
@@ -277,13 +304,13 @@ class Trainer:
 
     def log(self, name: str, value: Union[float, torch.Tensor]) -> None:
         """A scalar for TensorBoard at the next logging step (a tensor is read then, with the loss: no sync)."""
-        self._logged[name] = value.detach() if isinstance(value, torch.Tensor) else value
+        self._logged[name] = _whole(value.detach()) if isinstance(value, torch.Tensor) else value
 
     def log_from_task(self, name: str, value: Any, *, on_step: Optional[bool] = None, on_epoch: Optional[bool] = None,
                       prog_bar: bool = False) -> None:
         """Task.log: in training, `on_step` (default) at the next logging step, `on_epoch` as the epoch's mean
         (`<name>_epoch` when both); in validation and test, the mean over the evaluation (every rank's)."""
-        value = value.detach().float() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+        value = _whole(value.detach()).float() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
         if prog_bar:
             self._bar_names.add(name)
         if self._stage != "train":
@@ -434,6 +461,10 @@ class Trainer:
             for split in ("train", "val"):
                 batch = self.data.first_batch(split) if self.data.has(split) else None
                 if batch is None:
+                    if self.data.has(split) and self.strategy.collective_forward:  # this rank's shard is empty
+                        self._idle_step(self.task.validation_step, None)
+                        if split == "val":
+                            self.task.epoch_metrics("val")  # synchronised over the ranks, as theirs
                     continue
                 with torch.no_grad(), self.precision.autocast():
                     out = self.task.check_batch(move_to(batch, self.device), split,
@@ -489,9 +520,15 @@ class Trainer:
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         """Check every registered part of the checkpoint against this run before loading any of it, then load."""
-        weights = checkpoint.model_state()
+        if self.strategy.sharded and not checkpoint.sharded:
+            raise ConfigError(f"resume={str(checkpoint.path)!r}: a checkpoint of a run without parallel=fsdp (its "
+                              "weights and state whole) cannot be resumed with parallel=fsdp; expected "
+                              f"parallel={checkpoint.meta['config'].get('parallel', {}).get('strategy', 'single')}, "
+                              "or init_from= for its weights alone")
+        # A sharded checkpoint is read for this run's ranks: each gets its own part of every sharded tensor.
+        weights = checkpoint.model_state(self.strategy.mesh)
         check_compatible(self.module, weights, f"resume={str(checkpoint.path)!r}", strict=True)
-        state = checkpoint.state()
+        state = checkpoint.state(self.strategy.mesh)
         saved_cfg = checkpoint.meta["config"]
         same_schedule = (saved_cfg.get("scheduler") or {}).get("_target_") == self.cfg.scheduler.get("_target_")
         load_scheduler = same_schedule and isinstance(state, dict) and bool(state.get("scheduler"))
@@ -506,6 +543,10 @@ class Trainer:
         apply_changed_options(self.optimizer, self.scheduler if same_schedule else None, configured,
                               changed_options(saved_cfg.get("optimizer") or {}, self.cfg.optimizer))
         self.checkpoints.saved_step = self.progress.step
+        saved_ranks = checkpoint.meta.get("world_size", 1)
+        if checkpoint.sharded and saved_ranks != self.strategy.world_size and self.strategy.is_rank_zero:
+            log.warning("resume: %s was saved by %d processes and is resharded over %d; the data order differs "
+                        "from the saved run's from here on", checkpoint.path, saved_ranks, self.strategy.world_size)
         if self.strategy.is_rank_zero:
             p = self.progress
             log.info("Resumed from %s at step %d (epoch %d, batch %d)", checkpoint.path, p.step, p.epoch,
@@ -533,7 +574,9 @@ class Trainer:
 
     def _describe_setup(self) -> None:
         """What a user checks before trusting a run: parameter groups, LR plan, config (and, in a dry run,
-        the model summary). Printed and written by rank 0 only."""
+        the model summary). Printed and written by rank 0 only; the summary's forward runs on every rank, as a
+        sharded model's forward gathers weights from all of them."""
+        summary = self._model_summary() if self.cfg.trainer.dry_run else None
         if not self.strategy.is_rank_zero:
             return
         per_device, world = self.data.batch_size, self.strategy.world_size
@@ -552,15 +595,17 @@ class Trainer:
             self.logger.log_custom_scalars(layout([*self._monitors().values(), *self._val_names]))
             if self.hparams:
                 self.logger.log_hparams(self.hparams, HPARAM_METRICS)
-        if self.cfg.trainer.dry_run:
-            batch = move_to(next(iter(self.data.batches("train"))), self.device)
-            model = self.strategy.unwrap(self.task.model)
-            log.info("Model:\n%s", summarize(model, lambda: self.task.validation_step(batch)))
+        if summary is not None:
+            log.info("Model:\n%s", summary)
             for name, points in plan.items():
                 shown = [points[round(i * (len(points) - 1) / 10)] for i in range(11)]
                 log.info("LR plan of group '%s' (step: lr): %s", name,
                          ", ".join(f"{step}: {lr:.4g}" for step, lr in shown))
             log.info("Dry run: everything built; exiting without training (trainer.dry_run=true).")
+
+    def _model_summary(self) -> str:
+        batch = move_to(next(iter(self.data.batches("train"))), self.device)
+        return summarize(self.strategy.unwrap(self.task.model), lambda: self.task.validation_step(batch))
 
     def _finished(self) -> bool:
         if self.stop_reason:  # a callback stopped the run (on resume: one that stops it again in on_fit_start)
@@ -715,9 +760,10 @@ class Trainer:
         self.callbacks.call("on_validation_start", self, self.task)
         metrics = self._evaluate("val")
         self._record(metrics)
-        for name, value in metrics.items():  # best over the run: the lowest loss, the highest of the rest
+        for name, value in metrics.items():  # best over the run: the lowest loss or perplexity, the highest of the rest
             best = self.metrics.get(f"best/{name}", value)
-            self.metrics[f"best/{name}"] = min(best, value) if "loss" in name else max(best, value)
+            lower = "loss" in name or "ppl" in name or "perplexity" in name
+            self.metrics[f"best/{name}"] = min(best, value) if lower else max(best, value)
         self.progress.last_val_step = self.progress.step
         self.progress.validations += 1
         self.callbacks.call("on_validation_end", self, self.task, metrics)
@@ -758,9 +804,11 @@ class Trainer:
         self.task.eval()
         self._stage, self._eval_logged = split, {}
         sums: dict[str, torch.Tensor] = {}
-        count = 0
+        count, batches, batch = 0, _limit(limit, self.data.num_batches(split)), None
+        # A sharded model's forward gathers weights from every rank: a rank with fewer batches runs empty ones.
+        rounds = max(self.strategy.gather_objects(batches)) if self.strategy.collective_forward else batches
         try:
-            for batch in itertools.islice(self.data.batches(split), _limit(limit, self.data.num_batches(split))):
+            for batch in itertools.islice(self.data.batches(split), batches):
                 batch = move_to(batch, self.device)
                 with self.precision.autocast():
                     out = step_fn(batch)
@@ -769,6 +817,8 @@ class Trainer:
                     weighted = value.detach().float() * n
                     sums[name] = sums[name] + weighted if name in sums else weighted
                 count += n
+            for _ in range(rounds - batches):
+                self._idle_step(step_fn, batch)
             if split == "val":
                 self.task.on_validation_epoch_end()
             stateful = {f"{split}/{name}": float(value) for name, value in self.task.epoch_metrics(split).items()}
@@ -796,6 +846,18 @@ class Trainer:
         metrics.update(stateful)
         self.logger.log_metrics(metrics, self.progress.step)
         return metrics
+
+    def _idle_step(self, step_fn: Any, batch: Any) -> None:
+        """A step on no samples (`batch` cut to none, or this rank's first training batch), for the collectives
+        of its forward only: under FSDP every rank must gather each unit's weights as often as the others.
+        What it logs is dropped; metrics see no sample."""
+        empty = _rows(move_to(batch if batch is not None else self.data.first_batch("train"), self.device), 0)
+        logged, self._eval_logged = self._eval_logged, {}
+        try:
+            with torch.no_grad(), self.precision.autocast():
+                step_fn(empty)
+        finally:
+            self._eval_logged = logged
 
     # ------------------------------------------------------------------ results
     def _record(self, metrics: dict[str, float]) -> None:

@@ -29,7 +29,8 @@ from test_resume import assert_identical, final_state
 import framework
 
 # This repository's example presets: they build experiments.*, which the wheel does not hold (pyproject.toml).
-EXAMPLES = ("experiment/digits_penalty.yaml", "experiment/digits_misclassified.yaml", "callbacks/metric_history.yaml")
+EXAMPLES = ("experiment/digits_penalty.yaml", "experiment/digits_misclassified.yaml", "callbacks/metric_history.yaml",
+            "experiment/lm.yaml", "experiment/lm_fsdp.yaml")
 
 LAB = {
     # Named config.yaml on purpose: the framework's primary config has the same name.

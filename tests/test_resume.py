@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from conftest import ROOT, output, read_scalars, run_cli
+from framework.checkpoint import open_checkpoint
+from framework.checkpoint.format import flatten
 from framework.task import ClassificationTask, StepOutput
 
 TESTS = str(Path(__file__).parent)
@@ -40,10 +41,12 @@ class SelfSignalTask(ClassificationTask):
 
 
 def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
-    last = run_dir / "checkpoints" / "last"
-    return {**load_file(str(last / "model.safetensors")),
-            **{f"state:{k}": v for k, v in load_file(str(last / "state.safetensors")).items()
-               if k.startswith(("/optimizer", "/callbacks"))}}
+    """The last checkpoint's weights and optimizer and callback tensors, whole (a sharded one's gathered)."""
+    checkpoint = open_checkpoint(run_dir / "checkpoints" / "last")
+    state: dict[str, torch.Tensor] = {}
+    flatten(checkpoint.state(), state)
+    return {**checkpoint.model_state(),
+            **{f"state:{k}": v for k, v in state.items() if k.startswith(("/optimizer", "/callbacks"))}}
 
 
 def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

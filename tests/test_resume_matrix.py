@@ -209,7 +209,7 @@ def test_every_conf_option_resumes_bit_exact_after_an_interruption(group, option
         assert resumed_step(resumed) == int(stopped.group(1))
     else:  # nothing saved at the kill: the newest intact periodic (or epoch-end) checkpoint before it
         # A spawned DDP parent outlives its killed rank 0 and reports the failure.
-        ddp = cfg.parallel.strategy == "ddp"
+        ddp = cfg.parallel.strategy in ("ddp", "fsdp")
         assert killed.returncode == (1 if ddp else -signal.Signals[kill_signal]), output(killed)
         assert 0 < resumed_step(resumed) <= kill_at
     assert_identical(uninterrupted(overrides), final_state(tmp_path))

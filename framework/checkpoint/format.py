@@ -7,6 +7,12 @@ A checkpoint is a directory:
 - `state.safetensors`: every tensor of the training state (optimizer, scheduler, GradScaler, RNG, ...);
 - `meta.json`: counters, metrics, the composed config, the structure that rebuilds the state around its
   tensors, XXH3-64 checksums of both files and the format version.
+
+A sharded checkpoint (format version 3, parallel=fsdp) has one model and one state file per rank instead,
+`model-rank{r}-of{n}.safetensors` and `state-rank{r}-of{n}.safetensors`, holding that rank's tensors: its own
+shard of every sharded tensor (a DTensor's local part), and its own copy of every other one. meta.json adds
+`shards`: the number of ranks, and for each sharded tensor its global shape, the dimension it is split along
+and each rank's offset and length there (`chunk`), so that any number of ranks can read it back.
 """
 from __future__ import annotations
 
@@ -24,8 +30,28 @@ import xxhash
 from framework.errors import UserError
 
 FORMAT_VERSION = 2  # written; 1 (same layout, CRC-32 checksums) is still read
-READABLE_VERSIONS = (1, 2)
+SHARDED_VERSION = 3  # written by sharded saves (a file per rank)
+READABLE_VERSIONS = (1, 2, 3)
 MODEL_FILE, STATE_FILE, META_FILE = "model.safetensors", "state.safetensors", "meta.json"
+
+
+def shard_file(kind: str, rank: int, world_size: int) -> str:
+    """The file of rank `rank` of a sharded checkpoint written by `world_size` ranks; `kind`: model or state."""
+    return f"{kind}-rank{rank}-of{world_size}.safetensors"
+
+
+def shard_files(world_size: int) -> list[str]:
+    """Every data file of a sharded checkpoint of `world_size` ranks."""
+    return [shard_file(kind, rank, world_size) for rank in range(world_size) for kind in ("model", "state")]
+
+
+def chunk(size: int, world_size: int, rank: int) -> tuple[int, int]:
+    """(offset, length) of rank `rank`'s part of a dimension of `size` split over `world_size` ranks as
+    torch.chunk splits it, which DTensor's Shard placement and FSDP use: ceil(size / world_size) each, the
+    last ranks' parts shorter or empty (a bias of size 1 over 2 ranks: (0, 1) and (1, 0))."""
+    step = -(-size // world_size)
+    start = min(size, rank * step)
+    return start, min(size, start + step) - start
 
 
 class DamagedCheckpoint(UserError):

@@ -1,5 +1,6 @@
 """Save policies: when to save (`last`, periodic `step-N`, the top-k by a metric as `best`) and which
-checkpoints to keep."""
+checkpoints to keep. For a sharded run (`shards`: the ranks saving together) every rank writes its own files of
+each checkpoint (framework/checkpoint/sharded.py); links and pruning are still rank 0's."""
 from __future__ import annotations
 
 import shutil
@@ -11,6 +12,7 @@ import torch
 
 from framework.checkpoint.format import DamagedCheckpoint, _is_number, _shown
 from framework.checkpoint.save import link_checkpoint
+from framework.checkpoint.sharded import Ranks, link_sharded, write_sharded
 from framework.checkpoint.validation import _mismatch
 from framework.checkpoint.writer import CheckpointWriter
 from framework.errors import ConfigError
@@ -40,10 +42,17 @@ class CheckpointManager:
     async_save: bool = False  # write on a background thread (see CheckpointWriter)
     periodic: list[str] = field(default_factory=list)  # names, oldest first
     top_k: list[tuple[float, str]] = field(default_factory=list)  # (metric, name), best first
+    shards: Optional[Ranks] = None  # a sharded run's ranks: each writes its shards, inline (sharded.py)
 
     def __post_init__(self) -> None:
-        self.writer = CheckpointWriter(durable=self.fsync, background=self.async_save)
+        self.writer = CheckpointWriter(durable=self.fsync, background=self.async_save and self.shards is None)
         self.saved_step = -1  # the step of the newest checkpoint this process saved (or resumed from)
+
+    def _link(self, src: Path, dst: Path) -> None:
+        if self.shards is None:
+            self.writer.call(link_checkpoint, src, dst, self.fsync)
+        else:
+            link_sharded(src, dst, self.shards.world_size, self.fsync)
 
     @property
     def active(self) -> bool:
@@ -95,9 +104,9 @@ class CheckpointManager:
         if not self.enabled:
             return
         if keep and self.save_last:
-            self.writer.call(link_checkpoint, target, self.folder / "last", self.fsync)
+            self._link(target, self.folder / "last")
         if top and self.top_k[0][1] == name:
-            self.writer.call(link_checkpoint, target, self.folder / "best", self.fsync)
+            self._link(target, self.folder / "best")
         self.writer.call(self._prune, set(self.periodic) | {name for _, name in self.top_k})
 
     def save_now(self, state: Snapshot, step: int, name: str = "last") -> None:
@@ -107,7 +116,9 @@ class CheckpointManager:
     def _write(self, state: Snapshot, step: int, target: Path) -> None:
         model_state, training_state, meta = state.collect()
         self.saved_step = step
-        if self.enabled:
+        if self.shards is not None:  # every rank, together (only rank 0 is `enabled`)
+            write_sharded(target, model_state, training_state, meta, self.shards, self.fsync)
+        elif self.enabled:
             self.writer.write(target, model_state, training_state, meta)
 
     def _prune(self, kept: set[str]) -> None:
