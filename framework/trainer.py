@@ -21,6 +21,8 @@ from typing import Any, Optional, Union
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+import framework
+
 from framework import reproducibility
 from framework.callbacks import Callback, CallbackList, Timer
 from framework.checkpoint import (Checkpoint, CheckpointManager, CheckpointSaveError, DamagedCheckpoint,
@@ -256,6 +258,7 @@ class Trainer:
         # Every piece of resumable state, once. The checkpoint's meta.json also holds the config and the
         # groups' options (which resume rebuilds the run from) and the number of processes.
         self.state = TrainingState(lambda: self.module, self.progress, self.metrics, info={
+            "framework_version": framework.__version__,  # which version wrote it
             "world_size": self.strategy.world_size,
             "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
             "choices": {g: o for g, o in (choices or {}).items() if not g.startswith("hydra")}})

@@ -225,6 +225,8 @@ def test_a_lab_run_trains_as_this_repositorys_run_py_does(installed, lab, traine
     summary = json.loads((trained / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["step"] == 12
     assert summary["framework_version"] == framework.__version__
+    meta = json.loads((trained / "checkpoints" / "last" / "meta.json").read_text())
+    assert meta["framework_version"] == framework.__version__  # the checkpoint says which version wrote it
     assert "TinyMLP" in (trained / ".hydra" / "config.yaml").read_text()
     here = lab / "outputs" / "run_py"
     proc = run([sys.executable, str(ROOT / "run.py"), "--config-dir", "conf", "experiment=quick",
