@@ -7,8 +7,10 @@ The model is rebuilt from the config stored in the checkpoint's meta.json and gi
 when the run evaluated an EMA of its weights (callbacks.ema with use_for_eval), that average (`--raw`: the trained ones).
 Written to --out (default: RUN_DIR/export/):
 - `model.safetensors`: the plain state dict (no `module.` prefix), for `model.load_state_dict(load_file(...))`;
-- `model.pt`: TorchScript, from `torch.jit.trace` on a [2, *data.input_shape] batch (default) or
-  `torch.jit.script`; it runs without the Python class (`torch.jit.load`), but it is code: load trusted files only.
+- `model.pt`: TorchScript, from `torch.jit.trace` on the example batch (default) or `torch.jit.script`; it runs
+  without the Python class (`torch.jit.load`), but it is code: load trusted files only.
+The example batch is the model's own `example_input_array` when it has one (Lightning's name: a model taking
+token ids, say, gives a batch of them), else a random float batch of shape [2, *data.input_shape].
 Both files are then reloaded and run on that batch in eval mode against the checkpoint's model: the weights must
 give identical outputs, TorchScript outputs within float tolerance. Errors are one line and exit code 1.
 """
@@ -67,11 +69,19 @@ def build_model(checkpoint: Checkpoint, trust: bool = False, conf_dir: Optional[
     return build(cfg.model, "model").eval()
 
 
-def example_batch(checkpoint: Checkpoint) -> torch.Tensor:
+def example_batch(checkpoint: Checkpoint, model: torch.nn.Module) -> torch.Tensor:
+    """The model's `example_input_array` (a tensor), else a float batch of [2, *data.input_shape]."""
+    example = getattr(model, "example_input_array", None)
+    if isinstance(example, torch.Tensor):
+        return example
+    if example is not None:
+        raise UserError(f"{type(model).__name__}.example_input_array is a {type(example).__name__}; export expects "
+                        "one tensor (the batch the model is traced and verified on)")
     shape = checkpoint.meta["config"].get("data", {}).get("input_shape")
     if not shape:
-        raise UserError(f"checkpoint {checkpoint.path}: its config has no data.input_shape; expected the shape "
-                        "of one input, e.g. [3, 32, 32], to build the example batch")
+        raise UserError(f"checkpoint {checkpoint.path}: its config has no data.input_shape and the model no "
+                        "example_input_array; expected the shape of one input, e.g. data.input_shape=[3,32,32], "
+                        "to build the example batch")
     return torch.randn(2, *shape, generator=torch.Generator().manual_seed(0))
 
 
@@ -79,7 +89,10 @@ def to_torchscript(model: torch.nn.Module, batch: torch.Tensor, mode: str) -> to
     with warnings.catch_warnings():  # TorchScript is deprecated upstream; the warning says nothing actionable here
         warnings.filterwarnings("ignore", message=r".*torch\.jit.*deprecated", category=FutureWarning)
         try:
-            return torch.jit.trace(model, batch) if mode == "trace" else torch.jit.script(model)
+            if mode == "script":
+                return torch.jit.script(model)
+            with torch.no_grad():  # for inference, as it is verified: modules with an inference fast path
+                return torch.jit.trace(model, batch)  # (nn.TransformerEncoderLayer) then trace the same each time
         except Exception as err:  # noqa: BLE001  (TorchScript rejects many Python constructs)
             other = "script" if mode == "trace" else "trace"
             raise UserError(f"--torchscript {mode} failed: {str(err).strip().splitlines()[0]}; "
@@ -101,22 +114,23 @@ def eval_weights(checkpoint: Checkpoint, raw: bool = False) -> tuple[dict[str, t
 
 
 def export(checkpoint: Checkpoint, out: Path, mode: str = "trace", trust: bool = False,
-           raw: bool = False, conf_dir: Optional[Path] = None) -> tuple[dict[str, float], str]:
+           raw: bool = False, conf_dir: Optional[Path] = None) -> tuple[dict[str, float], str, torch.Tensor]:
     """Write the two files under `out`, reload them, and return the max abs difference of each from the
-    checkpoint's model on the example batch (raises UserError when outside tolerance), and which weights
-    were exported."""
+    checkpoint's model on the example batch (raises UserError when outside tolerance), which weights were
+    exported, and that batch."""
     model = build_model(checkpoint, trust, conf_dir)
     weights, which = eval_weights(checkpoint, raw)
     check_compatible(model, weights, f"checkpoint {checkpoint.path}", strict=True)
     model.load_state_dict(weights)
-    batch = example_batch(checkpoint)
+    batch = example_batch(checkpoint, model)
     try:
         with torch.no_grad():
             expected = model(batch)
     except Exception as err:  # noqa: BLE001  (whatever the user's forward raises)
-        raise UserError(f"{type(model).__name__} did not run on a random float batch of shape {list(batch.shape)} "
+        raise UserError(f"{type(model).__name__} did not run on the example batch, {_described(batch)} "
                         f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}); "
-                        "export expects a model taking one float tensor of data.input_shape") from None
+                        "export expects a model taking one tensor: a float one of data.input_shape, or one "
+                        "like its example_input_array attribute") from None
     if not isinstance(expected, torch.Tensor):
         raise UserError(f"{type(model).__name__} returned a {type(expected).__name__}; export expects a model "
                         "returning one tensor (TorchScript outputs are compared with it)")
@@ -142,7 +156,12 @@ def export(checkpoint: Checkpoint, out: Path, mode: str = "trace", trust: bool =
         raise UserError(f"{out / TORCHSCRIPT_FILE}: TorchScript ({mode}) outputs differ from the model's by up to "
                         f"{diffs[TORCHSCRIPT_FILE]:.3g}; expected allclose (rtol 1e-4, atol 1e-5)"
                         + ("; a data-dependent branch may need --torchscript script" if mode == "trace" else ""))
-    return diffs, which
+    return diffs, which, batch
+
+
+def _described(batch: torch.Tensor) -> str:
+    dtype = str(batch.dtype).removeprefix("torch.")
+    return f"{'an' if dtype[0] in 'aeiou' else 'a'} {dtype} tensor of shape {list(batch.shape)}"
 
 
 def default_out(checkpoint: Checkpoint) -> Path:
@@ -158,7 +177,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="which checkpoint of a run directory (default: best if saved, else last)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/export)")
     parser.add_argument("--torchscript", choices=("trace", "script"), default="trace",
-                        help="how model.pt is made (default: trace, on a [2, *data.input_shape] batch)")
+                        help="how model.pt is made (default: trace, on the example batch)")
     parser.add_argument("--raw", action="store_true",
                         help="export the trained weights even where the run evaluated an EMA of them")
     parser.add_argument("--trust-saved-config", action="store_true",
@@ -169,14 +188,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         checkpoint = find_checkpoint(args.path, args.which)
         out = args.out or default_out(checkpoint)
-        diffs, which = export(checkpoint, out, args.torchscript, args.trust_saved_config, args.raw, args.config_dir)
+        diffs, which, batch = export(checkpoint, out, args.torchscript, args.trust_saved_config, args.raw, args.config_dir)
     except UserError as err:
         print(f"Error: {err}", file=sys.stderr)
         return 1
     print(f"Exported {checkpoint.path} (step {checkpoint.step}), {which}:\n"
           f"  {out / WEIGHTS_FILE}  weights (state dict)\n"
           f"  {out / TORCHSCRIPT_FILE}  TorchScript ({args.torchscript})\n"
-          f"Verified on a batch of {list(example_batch(checkpoint).shape)} in eval mode, max abs difference: "
+          f"Verified on the example batch, {_described(batch)}, in eval mode, max abs difference: "
           f"weights {diffs[WEIGHTS_FILE]:.3g} (identical), TorchScript {diffs[TORCHSCRIPT_FILE]:.3g}")
     return 0
 

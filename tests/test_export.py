@@ -90,3 +90,20 @@ def test_export_of_a_damaged_checkpoint_is_one_error_line(run_dir, tmp_path, cap
     assert err.splitlines() == [f"Error: checkpoint {damaged}: model.safetensors does not match its checksum "
                                 "(damaged or truncated)"]
     assert not (damaged / "export").exists()
+
+
+def test_export_of_a_language_model_traces_and_verifies_it_on_its_example_token_ids(tmp_path, capsys):
+    """A model that takes token ids, not a float batch of data.input_shape: export uses its example_input_array
+    (Lightning's name), and the TorchScript module computes the same logits as the rebuilt model."""
+    run_dir = tmp_path / "run"
+    proc = run_cli(run_dir, "experiment=lm", "model.num_layers=1", "model.d_model=32", "model.block_size=16",
+                   "trainer.max_steps=2", "trainer.val_every_n_steps=2", "trainer.limit_val_batches=1",
+                   "checkpoint.every_n_steps=2", "logger.tensorboard=false")
+    assert proc.returncode == 0, output(proc)
+    assert export.main([str(run_dir), "--out", str(tmp_path / "export")]) == 0, capsys.readouterr().err
+    assert "the example batch, an int64 tensor of shape [2, 16]" in capsys.readouterr().out
+    model = rebuilt(run_dir, tmp_path / "export" / "model.safetensors")
+    tokens = torch.randint(256, (3, 16), generator=torch.Generator().manual_seed(1))
+    scripted = torch.jit.load(str(tmp_path / "export" / "model.pt"))
+    with torch.no_grad():
+        torch.testing.assert_close(scripted(tokens), model(tokens), rtol=1e-4, atol=1e-5)
