@@ -83,7 +83,8 @@ class TransformerLM(nn.Module):
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(block_size), persistent=False)
         # What `python -m framework.export` traces and verifies the model on (Lightning's name): token ids.
-        self.example_input_array = torch.randint(vocab_size, (2, block_size), generator=torch.Generator().manual_seed(0))
+        self.example_input_array = torch.randint(vocab_size, (2, block_size),
+                                                 generator=torch.Generator().manual_seed(0))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         length = tokens.shape[1]
