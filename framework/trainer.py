@@ -9,6 +9,7 @@ that registry collects, and a resume is what it checks and loads.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import logging
 import math
@@ -53,7 +54,17 @@ def train(cfg: DictConfig, run_dir: Path, resume_from: Union[None, Path, Checkpo
           hparams: Optional[dict[str, Any]] = None, choices: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Build the Trainer and fit: the one place a run is started, in this process or in a spawned worker."""
     checkpoint = open_checkpoint(resume_from) if isinstance(resume_from, Path) else resume_from
-    return Trainer(cfg, run_dir, resume_from=checkpoint, hparams=hparams, choices=choices).fit()
+    trainer = Trainer(cfg, run_dir, resume_from=checkpoint, hparams=hparams, choices=choices)
+    try:
+        return trainer.fit()
+    finally:
+        # The trainer and what it built form reference cycles (the task knows its trainer), which only the cyclic
+        # collector frees. Freed now, while the interpreter is whole: a DDP model holds the gloo process group,
+        # whose C++ threads, destroyed during interpreter shutdown instead, aborted a worker now and then
+        # ("terminate called without an active exception", SIGABRT after a finished run); and a sweep's next
+        # job does not start with the last one's model, optimizer and data still in memory.
+        del trainer
+        gc.collect()
 
 
 def move_to(batch: Any, device: torch.device) -> Any:

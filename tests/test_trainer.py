@@ -149,3 +149,20 @@ def test_each_model_preset_trains_on_digits(compose, tmp_path):
         summary = make_trainer(compose, tmp_path / model, f"model={model}", "trainer.max_steps=2",
                                "trainer.test=false", "trainer.limit_val_batches=1").fit()
         assert summary["step"] == 2 and summary["val/loss"] > 0
+
+
+def test_a_finished_run_frees_everything_it_built(compose, tmp_path):
+    """train() returns with the trainer, model, optimizer and data freed, not left to a later full collection
+    (the trainer and its task reference each other). Under DDP the model holds the gloo process group, whose
+    C++ threads, destroyed during interpreter shutdown instead, could abort a finished worker with SIGABRT."""
+    import gc
+
+    from framework.trainer import train
+
+    def alive() -> int:
+        return sum(1 for o in gc.get_objects() if isinstance(o, Trainer))
+
+    before = alive()
+    train(compose("logger.progress_bar=false", "trainer.max_steps=2", "checkpoint=none", "trainer.test=false"),
+          tmp_path / "run")
+    assert alive() <= before
