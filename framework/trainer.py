@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import framework
 
-from framework import reproducibility
+from framework import allocator, reproducibility
 from framework.callbacks import Callback, CallbackList, Timer
 from framework.checkpoint import (Checkpoint, CheckpointManager, CheckpointSaveError, DamagedCheckpoint,
                                   check_compatible, load_weights, open_checkpoint, validate_state)
@@ -53,6 +53,7 @@ HPARAM_METRICS = ["val/acc", "val/loss", "best/val/acc", "best/val/loss", "test/
 def train(cfg: DictConfig, run_dir: Path, resume_from: Union[None, Path, Checkpoint] = None,
           hparams: Optional[dict[str, Any]] = None, choices: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Build the Trainer and fit: the one place a run is started, in this process or in a spawned worker."""
+    allocator.keep_freed_memory()  # each step reuses the memory the last one freed (framework/allocator.py)
     checkpoint = open_checkpoint(resume_from) if isinstance(resume_from, Path) else resume_from
     trainer = Trainer(cfg, run_dir, resume_from=checkpoint, hparams=hparams, choices=choices)
     try:

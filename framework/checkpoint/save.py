@@ -2,6 +2,7 @@
 mid-save never damages an existing checkpoint; `last` and `best` are hard-linked copies made the same way."""
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -45,17 +46,33 @@ def _write(path: Path, data: bytes, durable: bool = True) -> None:
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """CPU, contiguous, and no two sharing memory: safetensors refuses shared tensors (tied weights, e.g. an
-    embedding reused as the output layer), so a tensor whose memory an earlier one uses is stored as a copy
-    (load_state_dict ties them again, since it copies into the model's own parameters)."""
-    out, seen = {}, set()
+    """CPU, contiguous, and no two overlapping in memory: safetensors refuses overlapping tensors (tied weights,
+    e.g. an embedding reused as the output layer), so a tensor whose bytes overlap an earlier one's is stored
+    as a copy (load_state_dict ties them again, since it copies into the model's own parameters). Disjoint
+    views of one buffer (the background writer's staging) are written as they are."""
+    out: dict[str, torch.Tensor] = {}
+    taken: list[tuple[int, int]] = []  # the byte ranges of the tensors kept so far: sorted, disjoint
     for key, value in tensors.items():
         value = value.detach().cpu().contiguous()
-        if value.numel() and value.untyped_storage().data_ptr() in seen:
+        span = _span(value)
+        if span[0] != span[1] and _overlaps(taken, span):
             value = value.clone()
-        seen.add(value.untyped_storage().data_ptr())
+            span = _span(value)
+        if span[0] != span[1]:
+            bisect.insort(taken, span)
         out[key] = value
     return out
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    start = tensor.data_ptr()
+    return start, start + tensor.numel() * tensor.element_size()
+
+
+def _overlaps(taken: list[tuple[int, int]], span: tuple[int, int]) -> bool:
+    """Does `span` overlap one of the sorted, disjoint ranges `taken`? Only its neighbours can."""
+    i = bisect.bisect_left(taken, span)
+    return (i > 0 and taken[i - 1][1] > span[0]) or (i < len(taken) and taken[i][0] < span[1])
 
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:

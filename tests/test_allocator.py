@@ -1,0 +1,60 @@
+"""framework/allocator.py: glibc malloc with fixed thresholds, so a step's freed tensors serve the next step.
+
+Each test runs a fresh Python process (malloc's state is per process): the allocation pattern of a training
+step (tensors of 1-16 MiB, every page written, then all freed), repeated, with page faults counted."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+
+STEPS = r"""
+import resource, sys
+import torch
+from framework import allocator
+applied = allocator.keep_freed_memory() if sys.argv[1] == "tuned" else None
+sizes = [(1 << 20) * k for k in (2, 8, 4, 16, 3, 12, 6, 1)]
+
+def step():
+    tensors = [torch.ones(size // 4) for size in sizes]  # every page written, as a step's activations are
+    del tensors
+
+for _ in range(5):
+    step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(50):
+    step()
+print(applied, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 50)
+"""
+
+
+def faults_per_step(mode: str, env: dict[str, str] | None = None) -> tuple[str, float]:
+    proc = subprocess.run([sys.executable, "-c", STEPS, mode], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stderr
+    applied, faults = proc.stdout.split()
+    return applied, float(faults)
+
+
+def test_a_step_reuses_the_memory_the_last_step_freed():
+    """With the framework's thresholds the step's ~52 MiB come back from the heap without a page fault. With
+    glibc's own, moving ones the same script measured anywhere from 61 to 8,672 faults per step from one run
+    to the next (all of it again), which is why that case is not asserted."""
+    applied, faults = faults_per_step("tuned")
+    assert applied == "True"
+    assert faults < 50, faults
+
+
+@pytest.mark.parametrize("env", [{"MALLOC_TRIM_THRESHOLD_": "131072"},
+                                 {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"},
+                                 {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}],
+                         ids=["malloc-env", "glibc-tunables", "preloaded-allocator"])
+def test_a_users_own_allocator_settings_are_left_alone(env):
+    applied, _ = faults_per_step("tuned", env)  # a preload library that is missing only makes the loader warn
+    assert applied == "False"
