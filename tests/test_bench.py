@@ -79,3 +79,47 @@ def test_overhead_script_runs_end_to_end(capsys):
     out = capsys.readouterr().out
     assert "framework / dataloader" in out and "framework / permutation" in out
     assert "lightning: not installed (or --no-lightning); skipped" in out
+
+
+def test_realistic_script_runs_end_to_end(tmp_path, capsys):
+    """bench/realistic.py on 20 PNGs: its ImageFolder, then the framework (run.py in a subprocess, timing read
+    from its run directory) and the hand-written loop, one repetition of 2 epochs each."""
+    import realistic
+
+    ratios = realistic.main(["--reps", "1", "--settings", "w0", "--contenders", "framework,handwritten",
+                             "--images", "20", "--data", str(tmp_path / "images")])
+    for split, count in (("train", 20), ("val", 10)):
+        folders = sorted((tmp_path / "images" / split).iterdir())
+        assert [f.name for f in folders] == [str(c) for c in range(10)]  # every class in each split
+        assert sum(len(list(f.glob("*.png"))) for f in folders) == count
+    assert list(ratios) == ["w0/none: framework / handwritten"]
+    assert len(ratios["w0/none: framework / handwritten"]) == 1 and ratios["w0/none: framework / handwritten"][0] > 0
+    out = capsys.readouterr().out
+    assert "framework" in out and "handwritten" in out and "lightning: not installed (or not in --contenders)" in out
+
+
+def test_realistic_contenders_train_the_framework_model_and_optimizer(compose, tmp_path):
+    """bench/realistic.py's hand-written and Lightning contenders build the model the framework's overrides
+    build (same layers, same initial weights) and the same parameter groups."""
+    import realistic
+
+    realistic.make_images(tmp_path / "images", 10, 10)
+    overrides = realistic.framework_overrides(tmp_path / "images", tmp_path / "run", 0, 1, 2, "none")
+    trainer = Trainer(compose(*[o for o in overrides if not o.startswith("hydra.")]), tmp_path / "run")
+    ours = trainer.strategy.unwrap(trainer.task.model).state_dict()
+    theirs = realistic.make_model().state_dict()
+    assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    groups = realistic.make_optimizer(realistic.make_model()).param_groups
+    assert sorted((len(g["params"]), g["lr"], g["momentum"], g["weight_decay"]) for g in groups) == \
+        sorted((len(g["params"]), g["lr"], g["momentum"], g["weight_decay"]) for g in trainer.optimizer.param_groups)
+
+
+def test_checkpoint_training_cost_script_runs_end_to_end(capsys):
+    """bench/checkpoint.py --training: epochs after a save against epochs after none, the save made by the
+    default checkpoint policy's manager on the background writer; one repetition of 2-step epochs."""
+    import checkpoint
+
+    result = checkpoint.main(["--training", "--reps", "1", "--steps", "2"])
+    assert list(result) == ["training"] and result["training"] > -1
+    out = capsys.readouterr().out
+    assert "rep 1/1: epoch after a save" in out and "cost of a save to its epoch: median" in out
