@@ -5,6 +5,7 @@ error messages and a whole training run."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -230,3 +231,24 @@ def test_fake_data_trains_end_to_end(tmp_path):
     assert proc.returncode == 0, output(proc)
     result = summary(run_dir)
     assert result["step"] == 1 and result["epoch"] == 1 and "val/acc" in result
+
+
+def test_a_cifar10_file_that_would_run_code_is_refused_with_one_line(tmp_path):
+    """The batches are pickles; with verify_checksums=false nothing vouches for them, so only the types CIFAR-10
+    holds may be unpickled: a file naming any other callable is one error line and its code never runs."""
+    import pickle
+
+    root = tmp_path / "data"
+    make_cifar10(root)
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (root / "cifar-10-batches-py" / "data_batch_3").write_bytes(pickle.dumps({"data": Payload(), "labels": []}))
+    line = one_error_line(run_cli(tmp_path / "run", "data=cifar10", f"data.root={root}", "model=cnn",
+                                  "data.train.dataset.verify_checksums=false",
+                                  *QUICK))
+    assert "data_batch_3: not a CIFAR-10 batch" in line and "system" in line, line
+    assert not marker.exists()
