@@ -15,7 +15,7 @@ from conftest import ROOT
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
 
 STEPS = r"""
-import resource, sys
+import resource, statistics, sys
 import torch
 from framework import allocator
 applied = allocator.keep_freed_memory() if sys.argv[1] == "tuned" else None
@@ -27,10 +27,12 @@ def step():
 
 for _ in range(5):
     step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+faults = []
 for _ in range(50):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
-print(applied, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 50)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(applied, statistics.median(faults))  # a step that grows the heap once more is not the thrash
 """
 
 
@@ -44,11 +46,13 @@ def faults_per_step(mode: str, env: dict[str, str] | None = None) -> tuple[str, 
 
 def test_a_step_reuses_the_memory_the_last_step_freed():
     """With the framework's thresholds the step's ~52 MiB come back from the heap without a page fault. With
-    glibc's own, moving ones the same script measured anywhere from 61 to 8,672 faults per step from one run
-    to the next (all of it again), which is why that case is not asserted."""
+    glibc's own, moving ones the same script measured either 0 or 8,672 faults in every step (all of it again),
+    from one run to the next, which is why that case is not asserted. The median step is asserted: one step
+    in 50 may still grow the heap once more (1,536 faults in one step here; a CI run averaged 72 per step),
+    which is growth, not thrash."""
     applied, faults = faults_per_step("tuned")
     assert applied == "True"
-    assert faults < 50, faults
+    assert faults < 50, faults  # 0 in every run measured
 
 
 @pytest.mark.parametrize("env", [{"MALLOC_TRIM_THRESHOLD_": "131072"},
