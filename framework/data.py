@@ -168,6 +168,17 @@ class DataModule:
                               "of tensors, numbers or numpy arrays (e.g. images through a ToTensor transform) "
                               f"{FULL_ERROR_HINT}") from err
 
+    def close(self) -> None:
+        """Stop the persistent worker processes now. Left to the garbage collector (the loaders sit in the
+        trainer's reference cycles), the iterator's queues are finalized before it asks its workers to exit, and
+        each worker is waited for its full 5 s join timeout: 20 s at the end of a run with train and val loaders
+        of 2 workers. torch has no public call for it; Lightning's teardown does the same."""
+        for _, loader in self._loaders.values():
+            iterator = getattr(loader, "_iterator", None)
+            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+                iterator._shutdown_workers()
+                loader._iterator = None
+
     def num_batches(self, split: str) -> int:
         """Batches in one full epoch of `split` on this rank."""
         sampler, loader = self._loaders[split]

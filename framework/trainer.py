@@ -64,6 +64,7 @@ def train(cfg: DictConfig, run_dir: Path, resume_from: Union[None, Path, Checkpo
         # whose C++ threads, destroyed during interpreter shutdown instead, aborted a worker now and then
         # ("terminate called without an active exception", SIGABRT after a finished run); and a sweep's next
         # job does not start with the last one's model, optimizer and data still in memory.
+        trainer.data.close()  # before the collection: see DataModule.close
         del trainer
         gc.collect()
 

@@ -78,3 +78,19 @@ def test_eval_splits_are_not_shuffled_and_use_eval_batch_size():
     dm = DataModule(TensorDataset(x, y), val=TensorDataset(x, y), batch_size=4, eval_batch_size=10)
     dm.setup(seed=0)
     assert _labels(dm.batches("val")) == [list(range(10)), list(range(10, 20)), list(range(20, 25))]
+
+
+def test_close_lets_persistent_workers_exit_at_once_and_the_next_epoch_starts_new_ones():
+    """Left to the garbage collector (the data module sits in the trainer's reference cycles), persistent
+    workers never got the exit request and were each waited for 5 s, then terminated: 20 s at the end of every
+    run with 2 train and 2 val workers. DataModule.close asks them, and they exit on their own (exit code 0)."""
+    x, y = _data(40)
+    dm = DataModule(Plain(x, y), Plain(x, y), batch_size=10, num_workers=2, persistent_workers=True)
+    dm.setup(seed=0)
+    expected = {split: _labels(dm.batches(split)) for split in ("train", "val")}
+    workers = [w for _, loader in dm._loaders.values() for w in loader._iterator._workers]
+    assert len(workers) == 4 and all(w.is_alive() for w in workers)
+    dm.close()
+    assert [w.exitcode for w in workers] == [0, 0, 0, 0]
+    assert {split: _labels(dm.batches(split)) for split in ("train", "val")} == expected
+    dm.close()
