@@ -188,7 +188,7 @@ def _conf_dirs(hydra_cfg: DictConfig) -> list[Path]:
 
 
 def _sweep_job(cfg: DictConfig) -> float:
-    """One job of a multirun: never raises, so a failing job cannot stop the others."""
+    """One job of a multirun: never raises (but for submitit's requeue), so a failing job cannot stop the others."""
     start = time.perf_counter()
     try:
         objective = _run(cfg)
@@ -199,15 +199,31 @@ def _sweep_job(cfg: DictConfig) -> float:
         _write_summary(Path(HydraConfig.get().runtime.output_dir),
                        {"status": "interrupted", "error": str(err), "seconds": round(time.perf_counter() - start, 3)})
         return float("nan")
-    except (Exception, SystemExit) as err:  # noqa: BLE001  (recorded, reported at the end of the sweep)
-        message = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
-        if not isinstance(err, UserError):
-            log.error("Job failed:\n%s", traceback.format_exc())
-        else:
-            log.error("Error: %s", message)
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
-        _write_summary(run_dir, {"status": "failed", "error": message, "seconds": round(time.perf_counter() - start, 3)})
-        return float("nan")
+    except SystemExit as err:
+        if _submitit_requeue(err):  # its time-limit handler requeued the job and exits: not a failure
+            raise
+        return _failed_job(err, start)
+    except Exception as err:  # noqa: BLE001  (recorded, reported at the end of the sweep)
+        return _failed_job(err, start)
+
+
+def _submitit_requeue(err: SystemExit) -> bool:
+    """A SystemExit raised inside submitit's own signal handler: it has requeued the job (a signal that came
+    after the run's watch was gone, e.g. between the end of training and the end of the job)."""
+    return any(frame.f_globals.get("__name__", "").startswith("submitit.")
+               for frame, _ in traceback.walk_tb(err.__traceback__))
+
+
+def _failed_job(err: BaseException, start: float) -> float:
+    """Record a job that failed (summary.json, the log) and give the sweep its NaN objective."""
+    message = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
+    if not isinstance(err, UserError):
+        log.error("Job failed:\n%s", "".join(traceback.format_exception(err)).rstrip())
+    else:
+        log.error("Error: %s", message)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    _write_summary(run_dir, {"status": "failed", "error": message, "seconds": round(time.perf_counter() - start, 3)})
+    return float("nan")
 
 
 def _write_summary(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:

@@ -53,6 +53,7 @@ class SignalWatch:
     def __init__(self, signals: Iterable[int] = STOP_ONLY) -> None:
         self.signals = list(signals)
         self.received: Optional[int] = None
+        self.after_training = False  # set once the last step is taken: a signal then has nothing left to stop
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "SignalWatch":
@@ -71,8 +72,12 @@ class SignalWatch:
             self.__exit__()
             raise KeyboardInterrupt
         self.received = signum
-        log.warning("Received %s: finishing this step, then saving checkpoints/last (send again to abort)",
-                    signal.Signals(signum).name)
+        if self.after_training:
+            log.warning("Received %s after the last step: finishing the run, which is not requeued (send again to "
+                        "abort)", signal.Signals(signum).name)
+        else:
+            log.warning("Received %s: finishing this step, then saving checkpoints/last (send again to abort)",
+                        signal.Signals(signum).name)
 
     def __exit__(self, *_exc: Any) -> None:
         for sig, handler in self._previous.items():

@@ -351,44 +351,50 @@ class Trainer:
         if self.cfg.trainer.dry_run:
             self.logger.close()
             return {}
+        # Watched until fit returns: a time-limit signal that comes after the last step (while validating, saving
+        # or testing) is noted and the run finishes, instead of reaching the handler from before the run
+        # (submitit's would requeue a run that is complete; SIGUSR1's default would kill it).
         watch = SignalWatch(watched(self.cfg.checkpoint.signals)) if self.on_signal else contextlib.nullcontext()
         finished = False
-        try:
-            self.callbacks.call("on_fit_start", self, self.task)
-            with watch:
+        with watch:
+            try:
+                self.callbacks.call("on_fit_start", self, self.task)
                 while not self._finished():
                     self._train_epoch(watch)
                     if self.progress.batch_in_epoch >= self.train_batches:  # a whole epoch, not a stop mid-epoch
                         self._end_epoch()
-            self._flush_train_log()
-            self.bar.close()
-            if self.stop_reason and self.strategy.is_rank_zero:
-                log.warning("Stopped at step %d (epoch %d): %s", self.progress.step, self.progress.epoch,
-                            self.stop_reason)
-            if self.data.has("val") and self.progress.last_val_step != self.progress.step:
-                self._validate()  # the summary always reports the final weights
-            if self.checkpoints.save_last and self.checkpoints.saved_step != self.progress.step:
-                self.checkpoints.save(self.state, self.progress.step, periodic=False)
-            self.checkpoints.writer.close()  # every checkpoint on disk before the summary names them
-            if self.cfg.trainer.test and self.data.has("test"):
-                self._test()
-            summary = self._summary(time.perf_counter() - start)
-            self.logger.log_metrics({k: v for k, v in summary.items() if k.startswith("best/")}, self.progress.step)
-            if self.hparams:
-                self.logger.end_hparams_session()
-            self.callbacks.call("on_fit_end", self, self.task)
-            finished = True
-        except BaseException as err:
-            finished = isinstance(err, Interrupted)  # a signal stop is agreed by every rank: still in step
-            self._on_exception(err)
-            raise
-        finally:
-            self.bar.close()
-            self.logger.close()
-            self.strategy.teardown(finished)
-        if self.strategy.is_rank_zero:
-            write_json(self.run_dir / "summary.json", summary)
-            print_summary(summary, self.run_dir)
+                if isinstance(watch, SignalWatch):
+                    watch.after_training = True
+                self._flush_train_log()
+                self.bar.close()
+                if self.stop_reason and self.strategy.is_rank_zero:
+                    log.warning("Stopped at step %d (epoch %d): %s", self.progress.step, self.progress.epoch,
+                                self.stop_reason)
+                if self.data.has("val") and self.progress.last_val_step != self.progress.step:
+                    self._validate()  # the summary always reports the final weights
+                if self.checkpoints.save_last and self.checkpoints.saved_step != self.progress.step:
+                    self.checkpoints.save(self.state, self.progress.step, periodic=False)
+                self.checkpoints.writer.close()  # every checkpoint on disk before the summary names them
+                if self.cfg.trainer.test and self.data.has("test"):
+                    self._test()
+                summary = self._summary(time.perf_counter() - start)
+                self.logger.log_metrics({k: v for k, v in summary.items() if k.startswith("best/")},
+                                        self.progress.step)
+                if self.hparams:
+                    self.logger.end_hparams_session()
+                self.callbacks.call("on_fit_end", self, self.task)
+                finished = True
+            except BaseException as err:
+                finished = isinstance(err, Interrupted)  # a signal stop is agreed by every rank: still in step
+                self._on_exception(err)
+                raise
+            finally:
+                self.bar.close()
+                self.logger.close()
+                self.strategy.teardown(finished)
+            if self.strategy.is_rank_zero:
+                write_json(self.run_dir / "summary.json", summary)
+                print_summary(summary, self.run_dir)
         return summary
 
     def _end_epoch(self) -> None:

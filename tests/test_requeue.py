@@ -85,6 +85,36 @@ def test_sigterm_and_requeue_false_save_but_never_requeue(tmp_path, scontrol):
     assert not calls.exists()
 
 
+class SignalWhileTestingTask(ClassificationTask):
+    """Classification that sends $SIGNAL_IN_TEST to itself at its first test batch: after the last step, as
+    SLURM's time-limit warning can come while a finished run validates, saves or tests."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sent = False
+
+    def test_step(self, batch: Any) -> StepOutput:
+        if not self.sent and os.environ.get("SIGNAL_IN_TEST"):
+            self.sent = True
+            os.kill(os.getpid(), signal.Signals[os.environ["SIGNAL_IN_TEST"]])
+        return super().test_step(batch)
+
+
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
+def test_a_signal_after_the_last_step_lets_the_complete_run_finish_without_a_requeue(tmp_path, scontrol, sig):
+    """Before, the watch ended with the last step: SIGUSR1's default action killed the finished run in its test
+    loop, and under submitit its handler requeued a run that was complete."""
+    env, calls = scontrol
+    run = tmp_path / "run"
+    proc = run_cli(run, *QUICK, "trainer.test=true", "task._target_=test_requeue.SignalWhileTestingTask",
+                   fast=False, env={**env, "PYTHONPATH": TESTS, "SIGNAL_IN_TEST": sig})
+    assert proc.returncode == 0, output(proc)
+    assert f"Received {sig} after the last step: finishing the run" in output(proc), output(proc)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["step"] == 60 and "test/acc" in summary, summary
+    assert not calls.exists()
+
+
 def test_an_unknown_signal_name_is_one_line(tmp_path):
     proc = run_cli(tmp_path / "run", "checkpoint.signals=[SIGTERM,SIGFOO]")
     assert proc.returncode == 1
@@ -178,3 +208,18 @@ def test_torchrun_restarts_a_killed_worker_group_and_the_run_ends_identical(tmp_
     assert (tmp_path / "once").exists()  # the kill happened
     assert "Resumed from" in output(restarted) and "at step 14 " in output(restarted), output(restarted)
     assert_identical(final_state(tmp_path / "whole"), final_state(tmp_path / "killed"))
+
+
+def test_submitits_requeue_exit_is_told_from_a_jobs_own_sys_exit(monkeypatch):
+    """A sweep job records a job's own SystemExit as failed and goes on; the SystemExit of submitit's requeue
+    (its handler got a signal after the run's watch had ended) must reach submitit, which then requeues."""
+    from submitit.local.local import LocalJobEnvironment
+
+    from framework.app import _submitit_requeue
+
+    monkeypatch.setenv("SUBMITIT_LOCAL_JOB_ID", "7")
+    with pytest.raises(SystemExit) as requeued:
+        LocalJobEnvironment()._requeue(1)
+    with pytest.raises(SystemExit) as own:
+        sys.exit(3)
+    assert (_submitit_requeue(requeued.value), _submitit_requeue(own.value)) == (True, False)
