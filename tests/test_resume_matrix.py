@@ -4,10 +4,13 @@ interrupted, whichever option of whichever group (or experiment preset) it uses.
 
 The matrix is read from conf/ at collection time: every yaml file of every group directory but hydra/,
 experiment presets included, is one test, so an option added to conf/ is covered without editing this
-file. Half of them are stopped by SIGTERM (checkpoint.on_signal saves `last` at that exact step), half by
-SIGKILL (nothing is saved: the newest intact checkpoint, periodic or epoch-end, is the resume point). The
-signal comes from tests/killhook/sitecustomize.py after a chosen optimizer step, so it never depends on
-the task, model or optimizer a preset brings. The combination of the original report is its own test."""
+file. Half of them are stopped by SIGTERM (checkpoint.on_signal saves `last` at that exact step); the other
+half resume from a periodic checkpoint that the uninterrupted run wrote mid-epoch (`resume=CHECKPOINT_DIR`,
+a new run directory): the same restore, one process fewer per option (the suite runs on 2 cores). The signal
+comes from tests/killhook/sitecustomize.py after a chosen optimizer step, so it never depends on the task,
+model or optimizer a preset brings. SIGKILL, with a periodic save possibly still being written, is here for
+the combination of the original report and the callbacks killed twice; test_resume.py and test_fsdp.py kill
+single, DDP and FSDP runs so too."""
 from __future__ import annotations
 
 import json
@@ -40,9 +43,9 @@ COMMON = ("logger.progress_bar=false", "trainer.device=cpu", "trainer.max_steps=
 # One thread per run: under pytest-xdist the runs already fill the cores, and oversubscribed OpenMP threads
 # spin (a ResNet-18 run takes four times as long).
 ENV = {"OMP_NUM_THREADS": "1"}
-# SIGTERM in the middle of the second epoch; SIGKILL 3 steps after step-24, mid-epoch in the third, so a
-# periodic checkpoint may still be being written in the background when the process dies.
-KILL_AT = {"SIGTERM": 13, "SIGKILL": 27}
+# SIGTERM in the middle of the second epoch; the periodic checkpoint resumed from is in the middle of the second
+# epoch too (batch 8 of 10), so both resumed runs cross epoch ends (validation, epoch schedulers, callbacks).
+SIGTERM_AT, PERIODIC = 13, "step-18"
 
 
 def conf_options() -> list[tuple[str, str]]:
@@ -52,7 +55,7 @@ def conf_options() -> list[tuple[str, str]]:
             for path in sorted(group.rglob("*.yaml"))]
 
 
-MATRIX = [pytest.param(group, option, "SIGTERM" if i % 2 == 0 else "SIGKILL", id=f"{group}={option}")
+MATRIX = [pytest.param(group, option, "SIGTERM" if i % 2 == 0 else "periodic", id=f"{group}={option}")
           for i, (group, option) in enumerate(conf_options())]
 
 
@@ -94,20 +97,22 @@ def uninterrupted_state(run_dir: Path, overrides: tuple[str, ...]) -> dict[str, 
 
 
 @pytest.fixture(scope="session")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[tuple[str, ...]], dict[str, torch.Tensor]]:
-    """uninterrupted(overrides) -> the final state of a run never interrupted, run once per distinct composed
-    config: the options that restate a default (model=mlp, optimizer=sgd, task=classification, ...) all
-    compose the same run."""
-    states: dict[str, dict[str, torch.Tensor]] = {}
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory
+                  ) -> Callable[[tuple[str, ...]], tuple[dict[str, torch.Tensor], Path]]:
+    """uninterrupted(overrides) -> (the final state, the run directory) of a run never interrupted, run once per
+    distinct composed config: the options that restate a default (model=mlp, optimizer=sgd, ...) all compose
+    the same run."""
+    runs: dict[str, tuple[dict[str, torch.Tensor], Path]] = {}
 
-    def state(overrides: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    def run(overrides: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], Path]:
         cfg = composed(*overrides)
         key = OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
-        if key not in states:
-            states[key] = uninterrupted_state(tmp_path_factory.mktemp("whole"), overrides)
-        return states[key]
+        if key not in runs:
+            run_dir = tmp_path_factory.mktemp("whole")
+            runs[key] = uninterrupted_state(run_dir, overrides), run_dir
+        return runs[key]
 
-    return state
+    return run
 
 
 def interrupted_and_resumed(run_dir: Path, overrides: tuple[str, ...], kill_at: int,
@@ -191,28 +196,32 @@ def test_callback_state_survives_two_kills_at_random_steps_bit_exact(case, tmp_p
         assert ends[0]["stopped"].startswith("early stopping") and ends[0]["step"] < 200
 
 
-@pytest.mark.parametrize(("group", "option", "kill_signal"), MATRIX)
-def test_every_conf_option_resumes_bit_exact_after_an_interruption(group, option, kill_signal, data_files,
+@pytest.mark.parametrize(("group", "option", "interruption"), MATRIX)
+def test_every_conf_option_resumes_bit_exact_after_an_interruption(group, option, interruption, data_files,
                                                                      uninterrupted, tmp_path):
     cfg = composed(f"{group}={option}")
     # Dropout makes the global RNG matter: a resume that did not restore it would diverge.
     dropout = ("model.dropout=0.2",) if "dropout" in cfg.model else ()
     overrides = (f"{group}={option}", *COMMON, *data_files.get(cfg.hydra.runtime.choices.data, ()), *dropout)
-    kill_at = KILL_AT[kill_signal]
-    killed, resumed = interrupted_and_resumed(tmp_path, overrides, kill_at, kill_signal)
-
-    if kill_signal == "SIGTERM" and cfg.checkpoint.on_signal:
-        assert killed.returncode == 128 + signal.SIGTERM, output(killed)
-        # A spawned DDP run stops when the signal its parent forwards arrives: possibly a step or two later.
-        stopped = re.search(r"Stopped by SIGTERM at step (\d+) \(", output(killed))
-        assert stopped, output(killed)
-        assert resumed_step(resumed) == int(stopped.group(1))
-    else:  # nothing saved at the kill: the newest intact periodic (or epoch-end) checkpoint before it
-        # A spawned DDP parent outlives its killed rank 0 and reports the failure.
-        ddp = cfg.parallel.strategy in ("ddp", "fsdp")
-        assert killed.returncode == (1 if ddp else -signal.Signals[kill_signal]), output(killed)
-        assert 0 < resumed_step(resumed) <= kill_at
-    assert_identical(uninterrupted(overrides), final_state(tmp_path))
+    whole, whole_dir = uninterrupted(overrides)
+    if interruption == "SIGTERM":
+        killed, resumed = interrupted_and_resumed(tmp_path, overrides, SIGTERM_AT, "SIGTERM")
+        if cfg.checkpoint.on_signal:
+            assert killed.returncode == 128 + signal.SIGTERM, output(killed)
+            # A spawned DDP run stops when the signal its parent forwards arrives: possibly a step or two later.
+            stopped = re.search(r"Stopped by SIGTERM at step (\d+) \(", output(killed))
+            assert stopped, output(killed)
+            assert resumed_step(resumed) == int(stopped.group(1))
+        else:  # nothing saved at the signal: the newest periodic (or epoch-end) checkpoint before it
+            ddp = cfg.parallel.strategy in ("ddp", "fsdp")  # a spawned DDP parent reports its killed rank 0
+            assert killed.returncode == (1 if ddp else -signal.SIGTERM), output(killed)
+            assert 0 < resumed_step(resumed) <= SIGTERM_AT
+        assert_identical(whole, final_state(tmp_path))
+    else:
+        resumed = run_cli(tmp_path, f"resume={whole_dir / 'checkpoints' / PERIODIC}", fast=False, env=ENV)
+        assert resumed.returncode == 0, output(resumed)
+        assert resumed_step(resumed) == int(PERIODIC.split("-")[1])
+        assert_identical(whole, final_state(tmp_path))
 
 
 def test_killhook_is_inert_without_kill_at_step_and_shadows_no_other_sitecustomize():
