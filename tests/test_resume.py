@@ -93,14 +93,6 @@ def test_sigterm_mid_epoch_with_worker_processes_saves_last_and_resumes_bit_exac
     assert "Traceback" not in output(killed)
 
 
-def test_ddp_sigterm_resumes_bit_exact(tmp_path):
-    whole, killed, resumed, run_dir = scenario(
-        tmp_path, "parallel=ddp", "trainer.max_epochs=2", kill_at=15, kill_signal="SIGTERM", kill_pid="parent")
-    assert killed.returncode == 128 + signal.SIGTERM, output(killed)
-    assert output(killed).count("Stopped by SIGTERM") == 1
-    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
-
-
 # ---------------------------------------------------------------------------------------------- resume rules
 # A resumed run is the saved run: its group choices, presets and `+` keys come back from the checkpoint, and
 # this command line's overrides apply on top of it (never a mix with the default options' keys).
