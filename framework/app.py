@@ -140,24 +140,27 @@ def _run(cfg: DictConfig, started: Optional[list] = None) -> Optional[float]:
 
         fresh, fresh_choices = cfg, choices
         checkpoint = resume.find_checkpoint(cfg.resume, run_dir)
-        recorded = False
-        while True:
-            cfg, choices = _settled(fresh, fresh_choices, checkpoint, overrides, hydra_cfg)
-            params = sweep.hparams(cfg, choices, overrides)
-            if rank_zero and not recorded:  # once the run is known to start: a refused one leaves nothing
-                provenance.write(run_dir, Path(hydra_cfg.runtime.cwd), overrides)
-                recorded = True
-            if started is not None:
-                started.append(True)
-            try:
-                summary = launch(cfg, run_dir, checkpoint, params, choices)
-                if rank_zero and summary and (run_dir / "summary.json").is_file():  # not after a dry run
-                    summary = _write_summary(run_dir, summary)
-                break
-            except DamagedCheckpoint as err:  # its state does not fit the live components: try an older one
-                if checkpoint is None:
-                    raise
-                checkpoint = resume.fall_back(fresh.resume, checkpoint, err)
+        recording: Optional[provenance.BackgroundWrite] = None
+        try:
+            while True:
+                cfg, choices = _settled(fresh, fresh_choices, checkpoint, overrides, hydra_cfg)
+                params = sweep.hparams(cfg, choices, overrides)
+                if rank_zero and recording is None:  # once the run is known to start: a refused one leaves nothing
+                    recording = provenance.BackgroundWrite(run_dir, Path(hydra_cfg.runtime.cwd), overrides)
+                if started is not None:
+                    started.append(True)
+                try:
+                    summary = launch(cfg, run_dir, checkpoint, params, choices)
+                    if rank_zero and summary and (run_dir / "summary.json").is_file():  # not after a dry run
+                        summary = _write_summary(run_dir, summary)
+                    break
+                except DamagedCheckpoint as err:  # its state does not fit the live components: try an older one
+                    if checkpoint is None:
+                        raise
+                    checkpoint = resume.fall_back(fresh.resume, checkpoint, err)
+        finally:
+            if recording is not None:
+                recording.join()
     return summary.get(cfg.checkpoint.monitor or "val/acc")
 
 

@@ -13,13 +13,17 @@ import os
 import platform
 import shlex
 import socket
+import logging
 import subprocess
 import sys
+import threading
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from framework.loggers import write_json
+
+log = logging.getLogger(__name__)
 
 FILES = ("provenance.json", "git.diff")  # a fresh run's record
 DISTRIBUTION = "hydra-torch-framework"  # pyproject.toml's name
@@ -106,3 +110,24 @@ def write(run_dir: Path, cwd: Path, overrides: Sequence[str]) -> Path:
     path = run_dir / f"provenance{suffix}.json"
     write_json(path, record)
     return path
+
+
+class BackgroundWrite:
+    """`write` on a thread, so that git (`git status` of a large checkout can take seconds) never delays the first
+    step; the app joins it before the job ends. A record that cannot be written is a warning, never the end of
+    the run."""
+
+    def __init__(self, run_dir: Path, cwd: Path, overrides: Sequence[str]) -> None:
+        self._thread = threading.Thread(target=self._write, args=(run_dir, cwd, list(overrides)),
+                                        name="provenance", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _write(run_dir: Path, cwd: Path, overrides: list[str]) -> None:
+        try:
+            write(run_dir, cwd, overrides)
+        except Exception as err:  # noqa: BLE001  (e.g. a full disk: the run itself decides whether that matters)
+            log.warning("Could not record the run's provenance in %s: %s: %s", run_dir, type(err).__name__, err)
+
+    def join(self) -> None:
+        self._thread.join()

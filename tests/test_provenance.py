@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import shlex
 import socket
@@ -17,6 +18,7 @@ import pytest
 from conftest import FAST, ROOT, output, run_cli
 from framework import launch, provenance
 from framework.loggers import SUMMARY_LOGGER, print_summary
+from framework.task import ClassificationTask
 
 QUICK = ("trainer.max_epochs=1", "trainer.limit_train_batches=3", "checkpoint=none", "trainer.test=false")
 
@@ -131,3 +133,33 @@ def test_a_resumed_run_keeps_the_original_record_and_adds_its_own(repo, tmp_path
     assert second.name.startswith("provenance-resumed-") and second.suffix == ".json"
     assert json.loads(second.read_text())["git"]["diff"] == f"git-{second.stem.split('-', 1)[1]}.diff"
     assert (run_dir / f"git-{second.stem.split('-', 1)[1]}.diff").is_file()
+
+
+class MarkingTask(ClassificationTask):
+    """Classification that creates the file $FIRST_STEP_MARKER at its first training step."""
+
+    def training_step(self, batch):
+        marker = Path(os.environ["FIRST_STEP_MARKER"])
+        if not marker.exists():
+            marker.touch()
+        return super().training_step(batch)
+
+
+def test_git_never_delays_the_first_step(tmp_path):
+    """A stand-in `git` that answers only once training has taken its first step (as a `git status` of a large
+    checkout can take seconds): recorded before training, as it was, it would wait out its 3 s timeout and the
+    record would have no commit; recorded beside training, it has the stand-in's commit."""
+    bin_dir, marker = tmp_path / "bin", tmp_path / "first-step"
+    bin_dir.mkdir()
+    (bin_dir / "git").write_text(f"#!/bin/sh\nfor i in $(seq 1 200); do [ -e {marker} ] && break; sleep 0.05; done\n"
+                                 f"[ -e {marker} ] || exit 1\n"
+                                 'if [ "$1" = rev-parse ]; then echo 0123456789abcdef0123456789abcdef01234567; fi\n')
+    (bin_dir / "git").chmod(0o755)
+    run_dir = tmp_path / "run"
+    proc = run_cli(run_dir, *QUICK, "task._target_=test_provenance.MarkingTask",
+                   env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FIRST_STEP_MARKER": str(marker),
+                        "PYTHONPATH": str(Path(__file__).parent)})
+    assert proc.returncode == 0, output(proc)
+    record = json.loads((run_dir / "provenance.json").read_text())
+    assert record["git"] == {"commit": "0123456789abcdef0123456789abcdef01234567", "dirty": False, "untracked": [],
+                             "diff": None}
