@@ -48,6 +48,14 @@ _CONFIG_DIR, _CONFIG_PATH, _CONFIG_NAME = ("--config-dir", "-cd"), ("--config-pa
 
 def main() -> None:
     """`htf [--config-dir DIR] [--config-name NAME] [overrides]`, `python -m framework ...`, `python run.py ...`."""
+    try:
+        _main()
+    except BrokenPipeError:  # stdout's reader went away (`htf --help | head`): not an error, as Python's docs advise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit, when stdout is flushed
+        sys.exit(1)
+
+
+def _main() -> None:
     if "--version" in sys.argv[1:]:  # Hydra's parser has no such flag
         print(f"hydra-torch-framework {__version__}")
         return
@@ -205,7 +213,7 @@ def describe(err: Exception, args: Sequence[str], task: Optional[Callable[..., A
     if isinstance(err, (HydraException, yaml.YAMLError)):
         return _one_line(str(err))
     os_error = next((e for e in _chain(err) if isinstance(e, OSError)), None)
-    if os_error is not None:
+    if os_error is not None and not isinstance(os_error, BrokenPipeError):  # main() ends that one quietly
         return _run_dir_error(os_error, args)
     return None
 

@@ -5,14 +5,16 @@ Each runs run.py as a subprocess, as a user would; all fail before any training 
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import CONF, output, run_cli
+from conftest import CONF, ROOT, output, run_cli
 from framework import cli, config
 
 
@@ -149,3 +151,16 @@ def test_a_config_that_sets_hydra_mode_multirun_still_sweeps(tmp_path: Path) -> 
                             "trainer.test=false", config_dir=conf)
     assert modes.count("MULTIRUN") >= 1 and modes.count("RUN") >= 2, modes  # the sweep, then each of its 2 jobs
     assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0_optimizer.lr=0.05", "1_optimizer.lr=0.1"]
+
+
+def test_help_into_a_reader_that_went_away_is_not_an_error(tmp_path: Path) -> None:
+    """`htf --help | head`: stdout's reader has closed the pipe. Before, this was reported as a run directory
+    that could not be written ('Broken pipe'); now it ends quietly with exit 1, as Python's docs advise."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written
+    try:
+        proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "--help"], cwd=tmp_path, stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 1 and proc.stderr == "", proc.stderr
