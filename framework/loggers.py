@@ -99,7 +99,10 @@ def print_summary(summary: Mapping[str, Any], run_dir: Path) -> None:
     """The closing lines a user reads: final metrics, where the run is, how to look at it."""
     metrics = {k: v for k, v in summary.items() if "/" in k and isinstance(v, (int, float))}
     shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if not math.isnan(v))
-    lines = [f"Done in {summary['seconds']:.1f} s: {summary['epoch']} epochs, {summary['step']} steps "
+    epochs = _count(summary["epoch"], "epoch")
+    if summary.get("batch_in_epoch"):  # stopped mid-epoch (max_steps, a signal, a callback)
+        epochs += f" and {summary['batch_in_epoch']} of {summary['epoch_batches']} batches"
+    lines = [f"Done in {summary['seconds']:.1f} s: {epochs}, {_count(summary['step'], 'step')} "
              f"({summary['precision']}, world size {summary['world_size']})"]
     if shown:
         lines.append(f"  {shown}")
@@ -111,6 +114,10 @@ def print_summary(summary: Mapping[str, Any], run_dir: Path) -> None:
             logger.info(line)
         else:  # logging not configured (trainer.train called directly): still shown
             print(line)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _shell_path(path: Path) -> str:

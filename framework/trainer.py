@@ -889,7 +889,8 @@ class Trainer:
         summary: dict[str, Any] = dict(self.metrics)
         best = self.checkpoints.best_path()
         p = self.progress
-        summary.update(status="ok", step=p.step, epoch=p.epoch, seconds=round(seconds, 3),
+        summary.update(status="ok", step=p.step, epoch=p.epoch, batch_in_epoch=p.batch_in_epoch,
+                       epoch_batches=self.train_batches, seconds=round(seconds, 3),
                        world_size=self.strategy.world_size, precision=self.precision.name,
                        best_checkpoint=str(best) if best is not None else None, stopped=self.stop_reason or None)
         return summary

@@ -80,7 +80,7 @@ def test_a_spawned_rank_zero_logs_the_summary_to_stdout_and_run_log(tmp_path, ca
         root.setLevel(saved[1])
         summary_logger.propagate = saved[3]
     shown = capsys.readouterr()
-    assert shown.out.startswith("Done in 1.0 s: 1 epochs, 3 steps (fp32, world size 2)\n  val/acc 0.5000\n")
+    assert shown.out.startswith("Done in 1.0 s: 1 epoch, 3 steps (fp32, world size 2)\n  val/acc 0.5000\n")
     assert shown.err == ""
     assert (tmp_path / "run.log").read_text().count("[framework.summary][INFO] - ") == 4
 
@@ -163,3 +163,13 @@ def test_git_never_delays_the_first_step(tmp_path):
     record = json.loads((run_dir / "provenance.json").read_text())
     assert record["git"] == {"commit": "0123456789abcdef0123456789abcdef01234567", "dirty": False, "untracked": [],
                              "diff": None}
+
+
+def test_a_run_stopped_mid_epoch_says_how_far_into_the_epoch_it_got(tmp_path):
+    """max_steps=5 of a 20-batch epoch printed '0 epochs, 5 steps', which reads as if nothing was trained."""
+    run_dir = tmp_path / "run"
+    proc = run_cli(run_dir, "trainer.max_steps=5", "checkpoint=none", "trainer.test=false")
+    assert proc.returncode == 0, output(proc)
+    assert "Done in " in proc.stdout and ": 0 epochs and 5 of 20 batches, 5 steps (fp32, world size 1)" in proc.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["epoch"], summary["batch_in_epoch"], summary["epoch_batches"]) == (0, 5, 20)
