@@ -9,11 +9,11 @@ gives nulls, never an error.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import platform
 import shlex
 import socket
-import logging
 import subprocess
 import sys
 import threading

@@ -354,7 +354,7 @@ class Trainer:
         # Watched until fit returns: a time-limit signal that comes after the last step (while validating, saving
         # or testing) is noted and the run finishes, instead of reaching the handler from before the run
         # (submitit's would requeue a run that is complete; SIGUSR1's default would kill it).
-        watch = SignalWatch(watched(self.cfg.checkpoint.signals)) if self.on_signal else contextlib.nullcontext()
+        watch = SignalWatch(watched(self.cfg.checkpoint.signals) if self.on_signal else ())  # () watches nothing
         finished = False
         with watch:
             try:
@@ -363,8 +363,7 @@ class Trainer:
                     self._train_epoch(watch)
                     if self.progress.batch_in_epoch >= self.train_batches:  # a whole epoch, not a stop mid-epoch
                         self._end_epoch()
-                if isinstance(watch, SignalWatch):
-                    watch.after_training = True
+                watch.after_training = True
                 self._flush_train_log()
                 self.bar.close()
                 if self.stop_reason and self.strategy.is_rank_zero:
