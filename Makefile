@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test clean-venv
+.PHONY: run test bytecode clean-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,7 +12,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,sweeps]'
 	touch $(STAMP)
 
-run: $(STAMP)
+# An editable install leaves the project's own modules uncompiled, and where PYTHONDONTWRITEBYTECODE is set
+# (as on some clusters and CI images) every start compiles them again (~0.07 s). compileall writes the
+# bytecode pip writes for an installed package, and skips what is already up to date.
+bytecode: $(STAMP)
+	$(PY) -m compileall -q framework experiments
+
+run: bytecode
 	$(PY) run.py
 
 test: $(STAMP)
