@@ -37,7 +37,7 @@ from hydra.plugins.search_path_plugin import SearchPathPlugin
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from framework import __version__, app, config, launch, resume
+from framework import __version__, app, config, launch, resume, signals
 from framework.config import CLOSED_GROUPS, suggest_key
 from framework.errors import FORCED_FULL_ERROR, full_error
 
@@ -48,11 +48,15 @@ _CONFIG_DIR, _CONFIG_PATH, _CONFIG_NAME = ("--config-dir", "-cd"), ("--config-pa
 
 def main() -> None:
     """`htf [--config-dir DIR] [--config-name NAME] [overrides]`, `python -m framework ...`, `python run.py ...`."""
+    if not any(arg in ("-m", "--multirun") for arg in sys.argv[1:]):  # a sweep's parent trains nothing itself
+        signals.LATCH.install()  # a cluster's signal while the run starts is held for its training loop
     try:
         _main()
     except BrokenPipeError:  # stdout's reader went away (`htf --help | head`): not an error, as Python's docs advise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit, when stdout is flushed
         sys.exit(1)
+    finally:
+        signals.LATCH.release()  # held by a run that never trained (--cfg, a dry run): its default action now
 
 
 def _main() -> None:
@@ -102,7 +106,8 @@ def _compose_once() -> None:
             cfg = self.compose_config(config_name=config_name, overrides=overrides, run_mode=RunMode.RUN)
         except Exception:  # noqa: BLE001  (Hydra's own way decides, and Hydra.run reports a mistake)
             return hydra_get_mode(self, config_name, overrides)
-        if cfg.hydra.mode == RunMode.MULTIRUN:
+        if cfg.hydra.mode == RunMode.MULTIRUN:  # hydra.mode=MULTIRUN in a config: a sweep's parent after all
+            signals.LATCH.release()
             return cfg.hydra.mode
         key = tuple(overrides)
         if cfg.hydra.mode is None:  # what the override `hydra.mode=RUN` that _run_app adds does to the config

@@ -42,6 +42,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _held_while_starting() -> list[signal.Signals]:
+    """Blocked in spawned workers until _worker can act on them: Ctrl-C (which they then ignore: the parent
+    forwards it) and the cluster's signals."""
+    from framework.signals import cluster_signals
+
+    return [signal.SIGINT, *cluster_signals()]
+
+
 class WorkerFailed(Exception):
     """A worker died of a bug (not a user mistake): carries its traceback text."""
 
@@ -57,12 +65,17 @@ def spawn(cfg: DictConfig, run_dir: Path, nprocs: int, checkpoint: Optional[Path
     process, not a worker, asks for the requeue afterwards (framework.app): a submitit job's handler is here."""
     import torch.multiprocessing as mp  # imported here: run.py imports this module before any config check
 
-    from framework.signals import STOP_ONLY, watched
+    from framework.signals import LATCH, STOP_ONLY, watched
 
     errors = mp.get_context("spawn").SimpleQueue()
     args = (nprocs, free_port(), cfg, run_dir, checkpoint, hparams, choices, errors)
-    context = mp.start_processes(_worker, args=args,
-                                 nprocs=nprocs, join=False, start_method="spawn")
+    # The workers start with these signals blocked (a signal mask is inherited), so one sent while they import
+    # torch waits until _worker holds it for its training loop, instead of killing a worker that saved nothing.
+    startup_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _held_while_starting())
+    try:
+        context = mp.start_processes(_worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, startup_mask)
     received: list[int] = []
 
     def forward(signum: int, _frame: Any) -> None:
@@ -72,7 +85,12 @@ def spawn(cfg: DictConfig, run_dir: Path, nprocs: int, checkpoint: Optional[Path
                 os.kill(process.pid, signal.SIGTERM if signum in STOP_ONLY else signum)
 
     cluster = watched(cfg.checkpoint.signals) if cfg.checkpoint.on_signal else []
-    previous = {sig: signal.signal(sig, forward) for sig in dict.fromkeys([*STOP_ONLY, *cluster])}
+    previous = {}
+    for sig in dict.fromkeys([*STOP_ONLY, *cluster]):
+        handler = signal.signal(sig, forward)
+        previous[sig] = LATCH.original(sig) if LATCH.holds(handler) else handler
+    for sig in LATCH.release(taken_over=previous):  # one that came while this process started: the workers' now
+        forward(sig, None)
     try:
         while not context.join(grace_period=GRACE_PERIOD_S):
             pass
@@ -115,6 +133,10 @@ def _configure_logging(rank: int, run_dir: Path) -> None:
 def _worker(rank: int, world_size: int, port: int, cfg: DictConfig, run_dir: Path, checkpoint: Optional[Path],
             hparams: Optional[dict[str, Any]], choices: Optional[dict[str, Any]], errors: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent forwards Ctrl-C as SIGTERM, once
+    from framework.signals import LATCH
+
+    LATCH.install()  # then let in what was sent while this process started (spawn blocked it): held for the loop
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _held_while_starting())
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     _configure_logging(rank, run_dir)

@@ -12,6 +12,12 @@ stop on a signal other than SIGTERM/SIGINT (those mean "stop", e.g. `scancel` or
   (it pickles the job for resubmission, requeues it and exits); the requeued job resumes in the same job dir;
 - under plain `sbatch`, with `scontrol requeue $SLURM_JOB_ID`, once, from rank 0; the requeued job gets the same
   run directory (`outputs/<name>/slurm-<job id>`, see resume.py) and resumes from `last`.
+
+A cluster's signal can also come while the run is still starting (composing the config, importing torch,
+loading data), before the loop watches: `LATCH` holds it from `main()` on (and in a spawned worker from its
+first line; the parent keeps these signals blocked while it starts the workers, so one sent meanwhile waits in
+the kernel). The watch takes a held signal over: the run stops after its first step, saves and requeues as
+above. A held signal the run does not watch (checkpoint.on_signal=false) takes its default action then.
 """
 from __future__ import annotations
 
@@ -46,6 +52,61 @@ def watched(names: Iterable[Any]) -> list[signal.Signals]:
     return list(dict.fromkeys([*found, *([submitit] if submitit is not None else [])]))
 
 
+def cluster_signals() -> list[signal.Signals]:
+    """What a scheduler sends to end or preempt a job, each with a default action that kills the process: SIGTERM
+    (scancel, the time limit), SIGUSR1 and SIGUSR2 (`--signal`, submitit), and submitit's own when it says so."""
+    return watched(("SIGTERM", "SIGUSR1", "SIGUSR2"))
+
+
+class StartupLatch:
+    """Holds the first cluster signal that arrives before a `SignalWatch` (or a spawning parent's forwarding) takes
+    over, instead of letting its default action kill a run that has not saved anything yet. A second one aborts at
+    once, as it would later. Only signals whose handler is the default are held (submitit's stay submitit's)."""
+
+    def __init__(self) -> None:
+        self.pending: list[int] = []
+        self._original: dict[int, Any] = {}
+
+    def install(self, signals: Optional[Iterable[int]] = None) -> None:
+        for sig in cluster_signals() if signals is None else signals:
+            if sig not in self._original and signal.getsignal(sig) is signal.SIG_DFL:
+                self._original[sig] = signal.signal(sig, self._handle)
+
+    def holds(self, handler: Any) -> bool:
+        return getattr(handler, "__self__", None) is self
+
+    def original(self, signum: int) -> Any:
+        """The handler `signum` had before the latch (SIG_DFL)."""
+        return self._original.get(signum, signal.SIG_DFL)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if self.pending:  # a second signal: abort now, with the default action of this one
+            self.release(deliver=False)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.pending.append(signum)
+
+    def release(self, taken_over: Iterable[int] = (), deliver: bool = True) -> list[int]:
+        """Give every held signal its handler back, except those in `taken_over` (their new owner installed its own
+        already, so none is ever left at its default in between). Returns the held signals that the new owner takes
+        (in `taken_over`); with `deliver`, any other is sent again, now to its original handler."""
+        taken_over = set(taken_over)
+        for sig, handler in self._original.items():
+            if sig not in taken_over and self.holds(signal.getsignal(sig)):
+                signal.signal(sig, handler)
+        self._original.clear()
+        pending, self.pending = self.pending, []
+        if deliver:
+            for sig in pending:
+                if sig not in taken_over:
+                    os.kill(os.getpid(), sig)
+        return [sig for sig in pending if sig in taken_over]
+
+
+LATCH = StartupLatch()
+
+
 class SignalWatch:
     """On one of `signals`, ask the loop to stop after the current step (it saves `last` and exits); a second
     signal aborts at once. Remembers the handler each signal had before (submitit's, for one)."""
@@ -60,11 +121,18 @@ class SignalWatch:
         for sig in self.signals:
             if signal.getsignal(sig) is signal.SIG_IGN:  # e.g. spawned DDP workers: the parent forwards SIGINT
                 continue
-            self._previous[sig] = signal.signal(sig, self._handle)
+            previous = signal.signal(sig, self._handle)
+            self._previous[sig] = LATCH.original(sig) if LATCH.holds(previous) else previous
+        held = LATCH.release(taken_over=self._previous)  # one not watched takes its default action now
+        if held:
+            self.received = held[0]
+            log.warning("Received %s while the run was starting: taking the first step, then saving "
+                        "checkpoints/last (send again to abort)", signal.Signals(held[0]).name)
         return self
 
     def previous(self, signum: int) -> Any:
-        """The handler `signum` had before this watch (what a requeue may hand over to)."""
+        """The handler `signum` had before this watch, or before the start-up latch (what a requeue may hand
+        over to)."""
         return self._previous.get(signum)
 
     def _handle(self, signum: int, _frame: Any) -> None:

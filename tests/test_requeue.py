@@ -116,6 +116,79 @@ def test_a_signal_after_the_last_step_lets_the_complete_run_finish_without_a_req
     assert not calls.exists()
 
 
+def _start(run_dir: Path, *overrides: str, env: dict[str, str]) -> subprocess.Popen:
+    """`python run.py` as run_cli runs it, without waiting."""
+    full_env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    full_env.update(OMP_NUM_THREADS="1", **env)
+    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), f"hydra.run.dir={run_dir}", *overrides], cwd=ROOT,
+                            env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _spawned_workers(pid: int) -> int:
+    """How many of `pid`'s children are torch.multiprocessing's spawned workers."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return 0
+    count = 0
+    for child in children:
+        try:
+            count += "spawn_main" in Path(f"/proc/{child}/cmdline").read_text()
+        except OSError:
+            pass
+    return count
+
+
+def _signal_while_starting(proc: subprocess.Popen, ready: Any, signals: list[signal.Signals]) -> str:
+    """Send `signals` to the job's process as soon as `ready()` (a moment well before the first step), then
+    return everything it printed."""
+    deadline = time.monotonic() + 120
+    while not ready() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert proc.poll() is None, proc.communicate()[0]  # still starting: no step taken yet
+    for sig in signals:
+        os.kill(proc.pid, sig)
+        time.sleep(0.05)
+    return proc.communicate(timeout=180)[0]
+
+
+@pytest.mark.parametrize("moment", ["composing", "ddp-workers-importing"])
+def test_a_cluster_signal_while_the_run_starts_is_held_then_saved_requeued_and_resumed(tmp_path, scontrol, moment):
+    """SLURM's USR1 (or scancel's TERM) can come before the training loop watches: while Hydra composes, torch
+    is imported or spawned DDP workers start. Before, its default action killed the job (exit -10: no checkpoint,
+    no requeue, the allocation lost). Now it is held: the run takes its first step, saves `last`, requeues once,
+    and the requeued job continues from step 1 to the end."""
+    env, calls = scontrol
+    run = tmp_path / "run"
+    quick = (*QUICK, "trainer.max_steps=12", *(("parallel=ddp", "parallel.devices=2") if "ddp" in moment else ()))
+    proc = _start(run, *quick, env=env)
+    ready = ((lambda: (run / ".hydra" / "config.yaml").is_file()) if moment == "composing" else
+             (lambda: _spawned_workers(proc.pid) == 2))
+    text = _signal_while_starting(proc, ready, [signal.SIGUSR1])
+    assert proc.returncode == 128 + signal.SIGUSR1, text
+    assert "Received SIGUSR1 while the run was starting" in text, text
+    assert "Stopped by SIGUSR1 at step 1 " in text, text
+    assert calls.read_text() == f"requeue {env['SLURM_JOB_ID']}\n"
+    again = run_cli(None, *quick, f"resume={run}", fast=False, env=env)
+    assert again.returncode == 0, output(again)
+    assert "at step 1 " in output(again) and json.loads((run / "summary.json").read_text())["step"] == 12
+    assert calls.read_text().count("requeue") == 1
+
+
+def test_a_held_signal_the_run_does_not_watch_and_a_second_one_take_their_default_action(tmp_path, scontrol):
+    """The latch never swallows a signal: with checkpoint.on_signal=false SIGTERM ends the run as it always did
+    (once the config says so), and a second USR1 while starting aborts at once. Neither saves nor requeues."""
+    env, calls = scontrol
+    for case, extra, sent, died_of in (("off", ("checkpoint.on_signal=false",), [signal.SIGTERM], signal.SIGTERM),
+                                       ("twice", (), [signal.SIGUSR1, signal.SIGUSR1], signal.SIGUSR1)):
+        run = tmp_path / case
+        proc = _start(run, *QUICK, *extra, env=env)
+        text = _signal_while_starting(proc, (run / ".hydra" / "config.yaml").is_file, sent)
+        assert proc.returncode == -died_of, text
+        assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir()), text
+    assert not calls.exists()
+
+
 def test_an_unknown_signal_name_is_one_line(tmp_path):
     proc = run_cli(tmp_path / "run", "checkpoint.signals=[SIGTERM,SIGFOO]")
     assert proc.returncode == 1
