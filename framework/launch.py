@@ -8,6 +8,7 @@ Under torchrun the environment is already set and nothing is spawned here.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -137,6 +138,10 @@ def _worker(rank: int, world_size: int, port: int, cfg: DictConfig, run_dir: Pat
 
     LATCH.install()  # then let in what was sent while this process started (spawn blocked it): held for the loop
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _held_while_starting())
+    # A spawned child inherits "spawn" as its default start method (multiprocessing.spawn.prepare), so its
+    # DataLoader workers would each start a fresh interpreter and import torch again (~1.5 s, every epoch
+    # without persistent workers). Back to the platform's default, as a process torchrun started has.
+    multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     _configure_logging(rank, run_dir)
