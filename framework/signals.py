@@ -67,8 +67,8 @@ class StartupLatch:
         self.pending: list[int] = []
         self._original: dict[int, Any] = {}
 
-    def install(self, signals: Optional[Iterable[int]] = None) -> None:
-        for sig in cluster_signals() if signals is None else signals:
+    def install(self) -> None:
+        for sig in cluster_signals():
             if sig not in self._original and signal.getsignal(sig) is signal.SIG_DFL:
                 self._original[sig] = signal.signal(sig, self._handle)
 
