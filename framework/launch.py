@@ -86,10 +86,7 @@ def spawn(cfg: DictConfig, run_dir: Path, nprocs: int, checkpoint: Optional[Path
                 os.kill(process.pid, signal.SIGTERM if signum in STOP_ONLY else signum)
 
     cluster = watched(cfg.checkpoint.signals) if cfg.checkpoint.on_signal else []
-    previous = {}
-    for sig in dict.fromkeys([*STOP_ONLY, *cluster]):
-        handler = signal.signal(sig, forward)
-        previous[sig] = LATCH.original(sig) if LATCH.holds(handler) else handler
+    previous = {sig: LATCH.take_over(sig, forward) for sig in dict.fromkeys([*STOP_ONLY, *cluster])}
     for sig in LATCH.release(taken_over=previous):  # one that came while this process started: the workers' now
         forward(sig, None)
     try:

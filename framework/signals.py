@@ -72,12 +72,14 @@ class StartupLatch:
             if sig not in self._original and signal.getsignal(sig) is signal.SIG_DFL:
                 self._original[sig] = signal.signal(sig, self._handle)
 
-    def holds(self, handler: Any) -> bool:
-        return getattr(handler, "__self__", None) is self
+    def take_over(self, signum: int, handler: Any) -> Any:
+        """Install `handler` for `signum`; return the one it had before, and before the latch if the latch had it
+        (what a requeue may hand over to, and what to restore)."""
+        previous = signal.signal(signum, handler)
+        return self._original.get(signum, signal.SIG_DFL) if self._holds(previous) else previous
 
-    def original(self, signum: int) -> Any:
-        """The handler `signum` had before the latch (SIG_DFL)."""
-        return self._original.get(signum, signal.SIG_DFL)
+    def _holds(self, handler: Any) -> bool:
+        return getattr(handler, "__self__", None) is self
 
     def _handle(self, signum: int, _frame: Any) -> None:
         if self.pending:  # a second signal: abort now, with the default action of this one
@@ -93,7 +95,7 @@ class StartupLatch:
         (in `taken_over`); with `deliver`, any other is sent again, now to its original handler."""
         taken_over = set(taken_over)
         for sig, handler in self._original.items():
-            if sig not in taken_over and self.holds(signal.getsignal(sig)):
+            if sig not in taken_over and self._holds(signal.getsignal(sig)):
                 signal.signal(sig, handler)
         self._original.clear()
         pending, self.pending = self.pending, []
@@ -121,8 +123,7 @@ class SignalWatch:
         for sig in self.signals:
             if signal.getsignal(sig) is signal.SIG_IGN:  # e.g. spawned DDP workers: the parent forwards SIGINT
                 continue
-            previous = signal.signal(sig, self._handle)
-            self._previous[sig] = LATCH.original(sig) if LATCH.holds(previous) else previous
+            self._previous[sig] = LATCH.take_over(sig, self._handle)
         held = LATCH.release(taken_over=self._previous)  # one not watched takes its default action now
         if held:
             self.received = held[0]
