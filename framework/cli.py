@@ -37,11 +37,12 @@ from hydra.plugins.search_path_plugin import SearchPathPlugin
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from framework import __version__, app, config, launch, resume, signals
+from framework import __version__, app, config, faststart, launch, resume, signals
 from framework.config import CLOSED_GROUPS, suggest_key
 from framework.errors import FORCED_FULL_ERROR, full_error
 
 _FRAMEWORK_DIR = str(Path(__file__).resolve().parent) + os.sep
+_HYDRAS_SIDE = {__file__, faststart.__file__}  # their frames in a traceback are Hydra's composing, not our code's
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 _CONFIG_DIR, _CONFIG_PATH, _CONFIG_NAME = ("--config-dir", "-cd"), ("--config-path", "-cp"), ("--config-name", "-cn")
 
@@ -69,6 +70,7 @@ def _main() -> None:
     gc.freeze()
     if os.getcwd() not in sys.path and "" not in sys.path:  # `htf`'s has its script's folder instead, as run.py's
         sys.path.insert(0, os.getcwd())
+    faststart.install()  # libyaml parses the config files; the ConfigStore is not copied per composition
     config.register()  # the structured-config schemas the framework's tree is composed against
     Plugins.instance().register(FrameworkConfigs)
     sys.argv, trees = _user_tree(sys.argv)
@@ -240,7 +242,7 @@ def _raised_by_us(err: BaseException, task: Optional[Callable[..., Any]]) -> boo
         tb: Optional[TracebackType] = e.__traceback__
         while tb is not None:
             code = tb.tb_frame.f_code
-            if code is task_code or (code.co_filename.startswith(_FRAMEWORK_DIR) and code.co_filename != __file__):
+            if code is task_code or (code.co_filename.startswith(_FRAMEWORK_DIR) and code.co_filename not in _HYDRAS_SIDE):
                 return True
             tb = tb.tb_next
     return False
