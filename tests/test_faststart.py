@@ -63,6 +63,24 @@ print(json.dumps(out))
 """
 
 
+DUMP_ALL = r"""
+import json, sys
+from omegaconf import OmegaConf
+from framework import faststart
+if sys.argv[1] == "shortcuts":
+    faststart.install()
+out = {}
+for i, text in enumerate(json.loads(sys.argv[2])):
+    for name, value in {"value": {"k": text}, "key": {text or "_": 1}, "list": {"k": [text, {"x": text}]},
+                        "deep": {"a": {"b": {"c": [text, text + text]}}}}.items():
+        try:
+            out[f"{i} {name}"] = OmegaConf.to_yaml(OmegaConf.create(value))
+        except Exception as err:
+            out[f"{i} {name}"] = f"{type(err).__name__}: {err}"
+print(json.dumps(out))
+"""
+
+
 def both_ways(script: str, cases: object) -> tuple[dict[str, str], dict[str, str]]:
     def run(mode: str) -> dict[str, str]:
         proc = subprocess.run([sys.executable, "-c", script, mode, json.dumps(cases)], cwd=ROOT, capture_output=True,
@@ -150,9 +168,26 @@ def test_a_broken_or_hostile_yaml_file_fails_with_pyyamls_own_error(name, tmp_pa
         assert all("could not determine a constructor" in v for v in hydra_own.values())
 
 
+AWKWARD = ["", " ", "a ", " a", "yes", "No", "on", "off", "null", "~", "1", "-1", "1.0", "1e3", "1_000", "0x1F", "0o7",
+           ".inf", "-.inf", ".nan", "2020-01-01", "2020-01-01 12:30:00", "12:30", "${a}", "${oc.env:HOME,/x}", "a: b",
+           "a #b", "#a", "- a", "[a]", "{a}", "a,b", "a\nb", "a\n", "\n", "\n\n", "\ta", "a\tb", "\u00e9t\u00e9",
+           "\u65e5\u672c", "\U0001f642", "\u2028", "\u2029", "\x85", "\x7f", "\x01", "\ufeff", "'", '"', "\\", "a'b",
+           'a"b', "x" * 200, "word " * 40, "long\nmulti line\n" * 5, "trailing  \n", "%a", "@a", "`a", "!a", "&a",
+           "*a", "|", ">", "?", "? a", ":a", "a:", "-", "--", "---", "...", "=", "<<", "a  b", "\r\n", "a\rb"]
+
+
+def test_yaml_written_with_the_shortcuts_is_pyyamls_byte_for_byte():
+    hydra_own, shortened = both_ways(DUMP_ALL, AWKWARD)
+    assert len(hydra_own) == 4 * len(AWKWARD)
+    assert shortened == hydra_own
+
+
 def test_the_shortcuts_are_installed_by_the_command_line_only():
     """Another Hydra application importing the framework (or a test) keeps Hydra's own code."""
-    code = ("import framework.cli, framework.app, omegaconf._utils as u, hydra._internal.defaults_list as d;"
-            "print(u.get_yaml_loader.__module__, d._create_interpolation_map.__module__)")
+    code = ("import framework.cli, framework.app, omegaconf._utils as u, omegaconf.omegaconf as o,"
+            " hydra._internal.defaults_list as d;"
+            "print(u.get_yaml_loader.__module__, o.get_omega_conf_dumper.__module__,"
+            " d._create_interpolation_map.__module__)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.stdout.split() == ["omegaconf._utils", "hydra._internal.defaults_list"], proc.stderr
+    assert proc.stdout.split() == ["omegaconf._utils", "omegaconf._utils", "hydra._internal.defaults_list"], \
+        proc.stderr
