@@ -81,9 +81,74 @@ print(json.dumps(out))
 """
 
 
+COPY_ALL = r"""
+import copy, enum, json, sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, ListConfig, OmegaConf, flag_override
+from framework import config, faststart
+if sys.argv[1] == "shortcuts":
+    faststart.install()
+import framework.app  # noqa: F401  (the resolvers conf/ uses)
+config.register()
+
+class Color(enum.Enum):
+    RED = 1
+    BLUE = 2
+
+@dataclass
+class Part:
+    size: Optional[int] = None
+    by_color: Dict[Color, int] = field(default_factory=lambda: {Color.RED: 1})
+    tags: List[str] = field(default_factory=lambda: ["a"])
+
+OmegaConf.register_new_resolver("counted", lambda x: [x, {"n": x}], use_cache=True)
+
+def describe(node, path="", out=None):
+    out = [] if out is None else out
+    m = node._metadata
+    out.append(f"{path} {type(node).__name__} {m.ref_type} {m.object_type} {m.optional} {m.key!r} "
+               f"{sorted(m.flags.items()) if m.flags is not None else None} {m.flags_root} "
+               f"{sorted((k, sorted(v.items())) for k, v in m.resolver_cache.items())} "
+               f"{getattr(m, 'key_type', '-')} {getattr(m, 'element_type', '-')} {node._is_missing()} {node._is_none()}")
+    if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
+        for key in node.keys():
+            describe(node._get_node(key), f"{path}.{key}", out)
+    elif isinstance(node, ListConfig) and not node._is_missing() and not node._is_none():
+        for i in range(len(node)):
+            describe(node._get_node(i), f"{path}[{i}]", out)
+    return out
+
+out = {}
+with initialize_config_dir(config_dir=sys.argv[2], version_base="1.3"):
+    cfg = compose("config", overrides=["callbacks=[default,ema]"], return_hydra_config=True)
+cfg.hydra.runtime.cwd  # noqa: B018
+extra = OmegaConf.create({"part": OmegaConf.structured(Part), "none": None, "missing": "???", 3: "int key",
+                          "cached": "${counted:7}", "again": "${cached}"})
+extra.cached  # noqa: B018  (fills the resolver cache)
+OmegaConf.set_readonly(extra.part, True)
+with flag_override(extra, "allow_objects", True):
+    extra.obj = Color.BLUE
+for name, node in {"composed": cfg, "extra": extra, "part": extra.part, "tags": extra.part.tags}.items():
+    twin = copy.deepcopy(node)
+    out[name] = describe(twin)
+    out[name + " yaml"] = OmegaConf.to_yaml(twin)
+    assert describe(twin) == describe(node), name
+# the copy is its own: flags and the resolver cache
+twin = copy.deepcopy(extra)
+OmegaConf.set_readonly(twin.part, False)
+twin._metadata.resolver_cache["counted"].clear()
+twin.part.size = 3
+out["independent"] = [OmegaConf.is_readonly(extra.part), bool(extra._metadata.resolver_cache["counted"]),
+                      extra.part.size, extra.cached is not twin.cached]
+print(json.dumps(out))
+"""
+
+
 def both_ways(script: str, cases: object) -> tuple[dict[str, str], dict[str, str]]:
     def run(mode: str) -> dict[str, str]:
-        proc = subprocess.run([sys.executable, "-c", script, mode, json.dumps(cases)], cwd=ROOT, capture_output=True,
+        proc = subprocess.run([sys.executable, "-c", script, mode, cases if isinstance(cases, str) else json.dumps(cases)], cwd=ROOT, capture_output=True,
                               text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout.splitlines()[-1])
@@ -179,6 +244,15 @@ AWKWARD = ["", " ", "a ", " a", "yes", "No", "on", "off", "null", "~", "1", "-1"
 def test_yaml_written_with_the_shortcuts_is_pyyamls_byte_for_byte():
     hydra_own, shortened = both_ways(DUMP_ALL, AWKWARD)
     assert len(hydra_own) == 4 * len(AWKWARD)
+    assert shortened == hydra_own
+
+
+def test_a_deep_copy_of_a_config_is_omegaconfs_own_with_the_shortcuts():
+    """Every node's metadata (types, key, flags, resolver cache) copied as Python's deepcopy copies it, the copy
+    independent of the original, for a composed config and for structured, typed, read-only, cached nodes."""
+    hydra_own, shortened = both_ways(COPY_ALL, str(CONF))
+    assert hydra_own["independent"] == [True, True, None, True]
+    assert any("Color" in line for line in hydra_own["part"])
     assert shortened == hydra_own
 
 
