@@ -54,6 +54,7 @@ def train(cfg: DictConfig, run_dir: Path, resume_from: Union[None, Path, Checkpo
           hparams: Optional[dict[str, Any]] = None, choices: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Build the Trainer and fit: the one place a run is started, in this process or in a spawned worker."""
     allocator.keep_freed_memory()  # each step reuses the memory the last one freed (framework/allocator.py)
+    _import_torch_dynamo()
     checkpoint = open_checkpoint(resume_from) if isinstance(resume_from, Path) else resume_from
     trainer = Trainer(cfg, run_dir, resume_from=checkpoint, hparams=hparams, choices=choices)
     try:
@@ -67,6 +68,25 @@ def train(cfg: DictConfig, run_dir: Path, resume_from: Union[None, Path, Checkpo
         trainer.data.close()  # before the collection: see DataModule.close
         del trainer
         gc.collect()
+
+
+def _import_torch_dynamo() -> None:
+    """torch.optim imports torch._dynamo with a process's first optimizer: ~1 s and ~250k objects that live as
+    long as the process. Imported here instead, before anything of the run exists, with the cyclic collector
+    off (the dozens of collections the import triggers each scanned the whole heap: ~0.1-0.2 s of start-up),
+    then frozen with all that is alive (what starting the process imported, Hydra's config of this job): no later
+    collection scans it again. Once per process: a sweep's later jobs, whose models must stay collectable,
+    find it imported."""
+    if "torch._dynamo" in sys.modules:
+        return
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        import torch._dynamo  # noqa: F401
+    finally:
+        if enabled:
+            gc.freeze()
+            gc.enable()
 
 
 def move_to(batch: Any, device: torch.device) -> Any:

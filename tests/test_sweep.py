@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -184,6 +185,30 @@ def test_joblib_launcher_runs_two_jobs_in_parallel(tmp_path):
     assert proc.returncode == 0, output(proc)
     assert len(list(tmp_path.glob("started-*"))) == 2  # two processes, both inside training at once
     assert [r["status"] for r in rows(sweep_dir)] == ["ok", "ok"]
+
+
+EARLIER_TASKS: list[weakref.ref] = []
+
+
+class CountingTask(ClassificationTask):
+    """Notes, as it is built, how many tasks of the sweep's earlier jobs in this process are still alive."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        with open(os.environ["ALIVE_FILE"], "a") as f:
+            f.write(f"{sum(ref() is not None for ref in EARLIER_TASKS)}\n")
+        EARLIER_TASKS.append(weakref.ref(self))
+
+
+def test_jobs_of_a_sweep_in_one_process_free_the_last_job_the_first_included(tmp_path):
+    """Hydra's basic launcher runs every job in the sweep's process. The first job imports torch._dynamo and
+    then freezes what is alive out of the cyclic collector's sight (framework.trainer._import_torch_dynamo):
+    nothing of a job may be among it, or that job's task, model and data would outlive it."""
+    alive = tmp_path / "alive"
+    proc, _ = sweep(tmp_path, "task._target_=test_sweep.CountingTask", "optimizer.lr=0.05,0.1,0.2",
+                    env={"ALIVE_FILE": str(alive), "PYTHONPATH": str(Path(__file__).parent)})
+    assert proc.returncode == 0, output(proc)
+    assert alive.read_text().split() == ["0", "0", "0"]
 
 
 def test_optuna_preset_searches_lr_and_weight_decay(tmp_path):
