@@ -186,6 +186,12 @@ def test_every_option_composes_to_the_same_config_with_and_without_the_shortcuts
         "added callback": (conf, ["+callbacks.mine={_target_:framework.callbacks.EMA,decay:0.9}"]),
         "unknown option": (conf, ["model=resnet81"]),
         "wrong type": (conf, ["trainer.max_epochs=many"]),
+        "joblib": (conf, ["hydra/launcher=joblib"]),
+        "submitit": (conf, ["hydra/launcher=submitit_local", "hydra.launcher.timeout_min=3"]),
+        "submitit slurm": (conf, ["hydra/launcher=submitit_slurm"]),
+        "optuna": (conf, ["hydra/sweeper=optuna", "hydra/sweeper/sampler=random"]),
+        "basic sweeper": (conf, ["hydra/sweeper=basic", "hydra.sweeper.max_batch_size=2"]),
+        "plugin option typo": (conf, ["hydra/launcher=submitit_locl"]),
     })
     tree = str(user_tree(tmp_path / "user"))
     cases.update({"interpolated defaults": (tree, []),
