@@ -61,7 +61,6 @@ def install() -> None:
     if getattr(yaml, "__with_libyaml__", False):
         import omegaconf._utils
         import omegaconf.basecontainer
-
         import omegaconf.omegaconf
 
         loader = _libyaml_loader(omegaconf._utils.get_yaml_loader)
@@ -103,8 +102,9 @@ def _metadata_copied_by_field() -> None:
 
     from omegaconf.base import ContainerMetadata, Metadata
 
+    container_fields = _METADATA_FIELDS | {"key_type", "element_type"}
     if ({f.name for f in dataclasses.fields(Metadata)} != _METADATA_FIELDS
-            or {f.name for f in dataclasses.fields(ContainerMetadata)} != _METADATA_FIELDS | {"key_type", "element_type"}):
+            or {f.name for f in dataclasses.fields(ContainerMetadata)} != container_fields):
         return  # another OmegaConf's metadata: its own deepcopy
 
     def deepcopy_metadata(self: Metadata, memo: dict[int, Any]) -> Metadata:
