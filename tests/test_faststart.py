@@ -18,15 +18,21 @@ import pytest
 
 from conftest import CONF, ROOT
 
-COMPOSE_ALL = r"""
+# Each script below starts so: argv[1] says which way it runs.
+SHORTCUTS_OR_NOT = r"""
+import sys
+from framework import faststart
+if sys.argv[1] == "shortcuts":
+    faststart.install()
+"""
+
+COMPOSE_ALL = SHORTCUTS_OR_NOT + r"""
 import json, os, sys
 from pathlib import Path
 from hydra import compose, initialize_config_dir
 from hydra.core.plugins import Plugins
 from omegaconf import OmegaConf
-from framework import cli, config, faststart
-if sys.argv[1] == "shortcuts":
-    faststart.install()
+from framework import cli, config
 import framework.app  # noqa: F401  (the resolvers conf/ uses)
 config.register()
 Plugins.instance().register(cli.FrameworkConfigs)
@@ -41,12 +47,9 @@ for name, (config_dir, overrides) in cases.items():
 print(json.dumps(out))
 """
 
-LOAD_ALL = r"""
+LOAD_ALL = SHORTCUTS_OR_NOT + r"""
 import json, sys
 from omegaconf import OmegaConf
-from framework import faststart
-if sys.argv[1] == "shortcuts":
-    faststart.install()
 out = {}
 for path in json.loads(sys.argv[2]):
     for how in ("path", "stream", "text"):
@@ -65,12 +68,9 @@ print(json.dumps(out))
 """
 
 
-DUMP_ALL = r"""
+DUMP_ALL = SHORTCUTS_OR_NOT + r"""
 import json, sys
 from omegaconf import OmegaConf
-from framework import faststart
-if sys.argv[1] == "shortcuts":
-    faststart.install()
 out = {}
 for i, text in enumerate(json.loads(sys.argv[2])):
     for name, value in {"value": {"k": text}, "key": {text or "_": 1}, "list": {"k": [text, {"x": text}]},
@@ -83,15 +83,13 @@ print(json.dumps(out))
 """
 
 
-COPY_ALL = r"""
+COPY_ALL = SHORTCUTS_OR_NOT + r"""
 import copy, enum, json, sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, ListConfig, OmegaConf, flag_override
-from framework import config, faststart
-if sys.argv[1] == "shortcuts":
-    faststart.install()
+from framework import config
 import framework.app  # noqa: F401  (the resolvers conf/ uses)
 config.register()
 
