@@ -123,6 +123,8 @@ def describe(node, path="", out=None):
 
 out = {}
 with initialize_config_dir(config_dir=sys.argv[2], version_base="1.3"):
+    # Hydra's `now` (registered again as Hydra starts) would put each process's own clock in the resolver cache
+    OmegaConf.register_new_resolver("now", lambda pattern: f"now {pattern}", use_cache=True, replace=True)
     cfg = compose("config", overrides=["callbacks=[default,ema]"], return_hydra_config=True)
 cfg.hydra.runtime.cwd  # noqa: B018
 extra = OmegaConf.create({"part": OmegaConf.structured(Part), "none": None, "missing": "???", 3: "int key",

@@ -288,7 +288,10 @@ def test_torchrun_restarts_a_killed_worker_group_and_the_run_ends_identical(tmp_
                                                    "KILL_SIGNAL": "SIGKILL", "KILL_ONCE_FILE": str(tmp_path / "once")})
     assert restarted.returncode == 0, output(restarted)
     assert (tmp_path / "once").exists()  # the kill happened
-    assert "Resumed from" in output(restarted) and "at step 14 " in output(restarted), output(restarted)
+    # The newest checkpoint written whole: step 14's, or step 10's (epoch end) where SIGKILL, three steps later, came
+    # while the background writer was still on step 14's. Either way the run must end as the uninterrupted one did.
+    resumed = re.search(r"Resumed from \S+ at step (\d+) ", output(restarted))
+    assert resumed and resumed.group(1) in ("10", "14"), output(restarted)
     assert_identical(final_state(tmp_path / "whole"), final_state(tmp_path / "killed"))
 
 
