@@ -147,18 +147,22 @@ class MarkingTask(ClassificationTask):
 
 def test_git_never_delays_the_first_step(tmp_path):
     """A stand-in `git` that answers only once training has taken its first step (as a `git status` of a large
-    checkout can take seconds): recorded before training, as it was, it would wait out its 3 s timeout and the
-    record would have no commit; recorded beside training, it has the stand-in's commit."""
-    bin_dir, marker = tmp_path / "bin", tmp_path / "first-step"
+    checkout can take seconds): recorded before training, as it was, the stand-in would give up and the record would
+    have no commit; recorded beside training, it has the stand-in's commit."""
+    bin_dir, hook_dir, marker = tmp_path / "bin", tmp_path / "hook", tmp_path / "first-step"
     bin_dir.mkdir()
-    (bin_dir / "git").write_text(f"#!/bin/sh\nfor i in $(seq 1 200); do [ -e {marker} ] && break; sleep 0.05; done\n"
+    hook_dir.mkdir()
+    # On a loaded machine the first step can come more than git's 3 s after the record starts: give git 60 s (the
+    # stand-in waits 30 s at most), so only a record taken before training can miss the commit.
+    (hook_dir / "sitecustomize.py").write_text("import framework.provenance as p\np.GIT_TIMEOUT_S = 60.0\n")
+    (bin_dir / "git").write_text(f"#!/bin/sh\nfor i in $(seq 1 600); do [ -e {marker} ] && break; sleep 0.05; done\n"
                                  f"[ -e {marker} ] || exit 1\n"
                                  'if [ "$1" = rev-parse ]; then echo 0123456789abcdef0123456789abcdef01234567; fi\n')
     (bin_dir / "git").chmod(0o755)
     run_dir = tmp_path / "run"
     proc = run_cli(run_dir, *QUICK, "task._target_=test_provenance.MarkingTask",
                    env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FIRST_STEP_MARKER": str(marker),
-                        "PYTHONPATH": str(Path(__file__).parent)})
+                        "PYTHONPATH": os.pathsep.join((str(hook_dir), str(Path(__file__).parent)))})
     assert proc.returncode == 0, output(proc)
     record = json.loads((run_dir / "provenance.json").read_text())
     assert record["git"] == {"commit": "0123456789abcdef0123456789abcdef01234567", "dirty": False, "untracked": [],
