@@ -38,9 +38,19 @@ def rank_zero_only_overrides() -> list[str]:
 
 
 def free_port() -> int:
+    """A port free now, for a test's or a benchmark's own workers; spawn() hosts its store instead (see there)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _host_store(nprocs: int) -> Any:
+    """The workers' rendezvous store, served by this process on a port the OS picks as it binds, and held until
+    they end, as torchrun's agent serves its own. A port found free here and bound by rank 0 seconds later, once
+    it has imported torch, could be taken meanwhile (by a concurrent run, or another one's gloo connections)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False)
 
 
 def _held_while_starting() -> list[signal.Signals]:
@@ -69,7 +79,8 @@ def spawn(cfg: DictConfig, run_dir: Path, nprocs: int, checkpoint: Optional[Path
     from framework.signals import LATCH, STOP_ONLY, watched
 
     errors = mp.get_context("spawn").SimpleQueue()
-    args = (nprocs, free_port(), cfg, run_dir, checkpoint, hparams, choices, errors)
+    store = _host_store(nprocs)
+    args = (nprocs, store.port, cfg, run_dir, checkpoint, hparams, choices, errors)
     # The workers start with these signals blocked (a signal mask is inherited), so one sent while they import
     # torch waits until _worker holds it for its training loop, instead of killing a worker that saved nothing.
     startup_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _held_while_starting())
@@ -104,6 +115,7 @@ def spawn(cfg: DictConfig, run_dir: Path, nprocs: int, checkpoint: Optional[Path
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        del store  # served until every worker has ended
 
 
 def _configure_logging(rank: int, run_dir: Path) -> None:
@@ -139,8 +151,11 @@ def _worker(rank: int, world_size: int, port: int, cfg: DictConfig, run_dir: Pat
     # DataLoader workers would each start a fresh interpreter and import torch again (~1.5 s, every epoch
     # without persistent workers). Back to the platform's default, as a process torchrun started has.
     multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
+    # The parent serves the store at MASTER_ADDR:MASTER_PORT (_host_store): every rank joins it as a client, as
+    # torchrun's workers join its agent's (torch.distributed.rendezvous reads the same flag).
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     _configure_logging(rank, run_dir)
     from framework.trainer import train
 

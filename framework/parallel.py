@@ -293,7 +293,8 @@ def _module_classes(names: Any) -> Optional[tuple[type, ...]]:
 
 
 def _elastic_attempt_store(timeout: datetime.timedelta, world_size: int) -> Optional[Any]:
-    """Under torchrun's restarts, the store for this attempt only; None: init_process_group's own (env://).
+    """Where a store is served for the workers (torchrun's agent, or launch.spawn's parent), the store for this
+    attempt only; None: init_process_group's own (env://).
 
     torchrun's agent keeps one TCPStore for the whole job and its workers join it (TORCHELASTIC_USE_AGENT_STORE)
     without a per-attempt prefix. After a restart, a new rank 1 could read the key the killed rank 0 had published

@@ -2,9 +2,12 @@
 both launch ways leaving one run directory, and a failing rank ending the job without a hang."""
 from __future__ import annotations
 
+import datetime
+import errno
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +19,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from conftest import ROOT, output
-from framework.launch import free_port
+from framework.launch import _host_store
 from framework.task import ClassificationTask, StepOutput
 from framework.trainer import Trainer
 
@@ -43,7 +46,7 @@ class RecordingSamples(torch.utils.data.Dataset):
 
 def _ddp_worker(rank: int, world: int, port: int, cfg: Any, run_dir: Path) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")  # served by run_ddp, as spawn does
     trainer = Trainer(cfg, run_dir)
     trainer.fit()
     if rank == 0:
@@ -52,7 +55,8 @@ def _ddp_worker(rank: int, world: int, port: int, cfg: Any, run_dir: Path) -> No
 
 def run_ddp(cfg: Any, run_dir: Path, world: int = 2) -> dict[str, torch.Tensor]:
     run_dir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_ddp_worker, args=(world, free_port(), cfg, run_dir), nprocs=world, start_method="spawn")
+    store = _host_store(world)
+    mp.start_processes(_ddp_worker, args=(world, store.port, cfg, run_dir), nprocs=world, start_method="spawn")
     return load_file(str(run_dir / "weights.safetensors"))
 
 
@@ -169,3 +173,20 @@ def test_a_config_error_under_ddp_is_printed_once_without_traceback(tmp_path):
                 timeout=120)
     assert proc.returncode == 1
     assert output(proc).count("Error:") == 1 and "momentm" in output(proc) and "Traceback" not in output(proc)
+
+
+def test_the_workers_store_is_served_before_they_start_so_no_other_process_can_take_its_port():
+    """spawn() used to find a free port and let rank 0 bind it seconds later, once it had imported torch: a
+    concurrent run, or another run's gloo connections, could take the port meanwhile. Now the parent serves the
+    store on it from the start, and the workers join it as clients (every DDP test here goes through it)."""
+    import torch.distributed as dist
+
+    store = _host_store(2)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as rival:
+        rival.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with pytest.raises(OSError) as taken:
+            rival.bind(("127.0.0.1", store.port))
+    assert taken.value.errno == errno.EADDRINUSE
+    worker = dist.TCPStore("127.0.0.1", store.port, 2, is_master=False, timeout=datetime.timedelta(seconds=30))
+    worker.set("rank0/address", "here")
+    assert store.get("rank0/address") == b"here"
