@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import sys
 import time
@@ -190,11 +191,29 @@ def _conf_dirs(hydra_cfg: DictConfig) -> list[Path]:
     return [folder for folder in found if folder is not None]
 
 
+@contextlib.contextmanager
+def _platform_start_method() -> Iterator[None]:
+    """A job of joblib's launcher runs in a loky worker, whose multiprocessing default is loky's own context: the
+    DataLoader workers made from it died ("'Process' object has no attribute 'env'"), and so did the spawned DDP
+    workers (a fresh interpreter cannot find a 'loky' context). The job gets the platform's default start method,
+    as a process of its own has; the launcher's worker gets its own back afterwards."""
+    previous = multiprocessing.get_start_method(allow_none=True)
+    if previous is None or previous in multiprocessing.get_all_start_methods():
+        yield
+        return
+    multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method(previous, force=True)
+
+
 def _sweep_job(cfg: DictConfig) -> float:
     """One job of a multirun: never raises (but for submitit's requeue), so a failing job cannot stop the others."""
     start = time.perf_counter()
     try:
-        objective = _run(cfg)
+        with _platform_start_method():
+            objective = _run(cfg)
         return float("nan") if objective is None else objective
     except Interrupted as err:  # saved on a signal: requeued (submitit exits here), or reported as interrupted
         log.warning("%s", err)

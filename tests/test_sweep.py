@@ -187,6 +187,16 @@ def test_joblib_launcher_runs_two_jobs_in_parallel(tmp_path):
     assert [r["status"] for r in rows(sweep_dir)] == ["ok", "ok"]
 
 
+def test_joblib_jobs_start_dataloader_workers_and_ddp_workers(tmp_path):
+    """A loky worker's multiprocessing default is loky's own context: a job's DataLoader workers died of it and
+    its spawned DDP workers could not start. Both kinds of job, side by side, must train."""
+    proc, sweep_dir = sweep(tmp_path, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "data.num_workers=1",
+                            "parallel=single,ddp")
+    assert proc.returncode == 0, output(proc)
+    assert sorted((r["parallel"], r["status"]) for r in rows(sweep_dir)) == [("ddp", "ok"), ("single", "ok")]
+    assert [json.loads((d / "summary.json").read_text())["world_size"] for d in job_dirs(sweep_dir)] == [1, 2]
+
+
 EARLIER_TASKS: list[weakref.ref] = []
 
 
