@@ -193,6 +193,31 @@ def seed_stats(rows: list[dict[str, Any]], swept: list[str], metric: str) -> Opt
     return "\n".join(lines)
 
 
+def objective(config: DictConfig) -> tuple[str, str]:
+    """The metric each job returns to the sweeper (app._run) and whether larger ("max") or smaller is better."""
+    monitor = config.checkpoint.get("monitor")
+    mode = getattr(config.checkpoint.mode, "value", config.checkpoint.mode) if monitor else "max"
+    return monitor or "val/acc", mode
+
+
+def check_direction(config: DictConfig) -> None:
+    """A sweeper that optimizes (Optuna: `hydra.sweeper.direction`, minimize unless set) must seek what the jobs'
+    metric calls better: left at minimize while the jobs return val/acc, it searched for the worst run and named it
+    the best."""
+    direction = OmegaConf.select(config, "hydra.sweeper.direction", default=None)
+    direction = getattr(direction, "name", direction)
+    if direction not in ("minimize", "maximize"):  # no such sweeper, or several objectives: not ours to judge
+        return
+    metric, mode = objective(config)
+    wanted = "maximize" if mode == "max" else "minimize"
+    if direction != wanted:
+        from framework.errors import ConfigError
+
+        raise ConfigError(f"hydra.sweeper.direction={direction}: each job returns {metric} (checkpoint.monitor), "
+                          f"better when {'larger' if mode == 'max' else 'smaller'} (checkpoint.mode={mode}); "
+                          f"expected hydra.sweeper.direction={wanted}")
+
+
 class SweepSummary(Callback):
     """At the end of a multirun: summary.csv, the table best job first, and a non-zero exit on failures."""
 
@@ -200,6 +225,13 @@ class SweepSummary(Callback):
         self.sweep_dir: Optional[Path] = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from framework.errors import ConfigError
+
+        try:
+            check_direction(config)
+        except ConfigError as err:  # before any job (Hydra would turn a callback's exception into a warning)
+            sys.stderr.write(f"Error: {err}\n")
+            sys.exit(1)
         # Resolve the sweep directory now, as the sweeper will: `${now:...}` is cached on this config
         # object, so both see the same time; `${hydra:...}` needs HydraConfig set.
         if HydraConfig.instance().cfg is None:
@@ -213,9 +245,7 @@ class SweepSummary(Callback):
         rows, swept = collect(sweep_dir)
         if not rows:
             return
-        monitor = config.checkpoint.get("monitor")
-        metric = monitor or "val/acc"
-        mode = getattr(config.checkpoint.mode, "value", config.checkpoint.mode) if monitor else "max"
+        metric, mode = objective(config)
         rows = rank(rows, metric, mode)
         write_csv(sweep_dir / "summary.csv", rows)
         columns = ["job", *swept, metric, *(m for m in ("val/loss", "test/acc") if m != metric), "status", "seconds"]

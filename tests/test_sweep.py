@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -226,7 +227,22 @@ def test_optuna_preset_searches_lr_and_weight_decay(tmp_path):
     assert proc.returncode == 0, output(proc)
     table = rows(sweep_dir)
     assert len(table) == 2 and all(r["optimizer.lr"] and r["optimizer.weight_decay"] for r in table)
-    assert "Best value" in output(proc)
+    best = re.search(r"Best value: (\S+)", output(proc))
+    assert best and float(best.group(1)) == pytest.approx(max(float(r["val/acc"]) for r in table), abs=1e-4)
+
+
+@pytest.mark.parametrize("overrides", [("hydra/sweeper=optuna", "optimizer.lr=interval(0.01,0.1)"),
+                                       ("experiment=optuna_lr_wd", "checkpoint.monitor=val/loss", "checkpoint.mode=min")],
+                         ids=["optunas-own-minimize-of-val-acc", "maximize-of-val-loss"])
+def test_an_optuna_sweep_that_would_seek_the_worst_run_is_refused_before_any_job(tmp_path, overrides):
+    """Each job returns checkpoint.monitor (val/acc unless set): Optuna left at its own direction, minimize,
+    searched for the worst run and called it the best."""
+    proc, sweep_dir = sweep(tmp_path, *overrides, "hydra.sweeper.n_trials=1")
+    assert proc.returncode == 1, output(proc)
+    assert "Traceback" not in output(proc) and output(proc).count("Error:") == 1, output(proc)
+    wanted = "minimize" if "checkpoint.mode=min" in overrides else "maximize"
+    assert f"; expected hydra.sweeper.direction={wanted}\n" in proc.stderr, output(proc)
+    assert not sweep_dir.exists()
 
 
 def test_slurm_launcher_preset_composes(tmp_path):
