@@ -19,10 +19,14 @@ def seed_everything(seed: int) -> None:
 def set_deterministic(enabled: bool) -> None:
     """Deterministic kernels everywhere (cuDNN included); slower, but runs repeat bit for bit on GPU too.
 
-    Does nothing when disabled: torch's defaults are already non-deterministic, and calling
-    `use_deterministic_algorithms` imports torch._inductor, which costs almost two seconds of start-up.
+    Disabled, it only undoes what an earlier run in this process (a multirun job before this one) switched on:
+    torch's defaults are already non-deterministic, and calling `use_deterministic_algorithms` imports
+    torch._inductor, which costs almost two seconds of start-up.
     """
     if not enabled:
+        if torch.are_deterministic_algorithms_enabled():
+            torch.use_deterministic_algorithms(False)
+            torch.backends.cudnn.deterministic = False
         return
     # cuBLAS needs a fixed workspace to be deterministic; it must be set before the first CUDA call.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+import torch
 
 from conftest import ROOT, output
 from framework.task import ClassificationTask, StepOutput
@@ -220,6 +221,25 @@ def test_jobs_of_a_sweep_in_one_process_free_the_last_job_the_first_included(tmp
                     env={"ALIVE_FILE": str(alive), "PYTHONPATH": str(Path(__file__).parent)})
     assert proc.returncode == 0, output(proc)
     assert alive.read_text().split() == ["0", "0", "0"]
+
+
+class DeterminismTask(ClassificationTask):
+    """Notes, as each job's first step is taken, whether torch's deterministic algorithms are on."""
+
+    def training_step(self, batch: Any) -> StepOutput:
+        with open(os.environ["DETERMINISM_FILE"], "a") as f:
+            f.write(f"{torch.are_deterministic_algorithms_enabled()}\n")
+        return super().training_step(batch)
+
+
+def test_a_jobs_deterministic_mode_does_not_outlive_it_in_the_sweeps_process(tmp_path):
+    """The basic launcher runs every job in one process: trainer.deterministic=true stayed on for the next jobs."""
+    noted = tmp_path / "noted"
+    proc, _ = sweep(tmp_path, "task._target_=test_sweep.DeterminismTask", "trainer.deterministic=true,false",
+                    "trainer.limit_train_batches=1", env={"DETERMINISM_FILE": str(noted),
+                                                          "PYTHONPATH": str(Path(__file__).parent)})
+    assert proc.returncode == 0, output(proc)
+    assert noted.read_text().split() == ["True", "False"]
 
 
 def test_optuna_preset_searches_lr_and_weight_decay(tmp_path):
