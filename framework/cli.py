@@ -204,6 +204,9 @@ def describe(err: Exception, args: Sequence[str], task: Optional[Callable[..., A
     (`args`: the command line's arguments, to quote an override as it was typed; `task`: the job function)."""
     if _raised_by_us(err, task):
         return None
+    if isinstance(err, ValueError) and str(err).startswith("Only one of --run, --multirun, --cfg, --info"):
+        return (f"{_one_line(str(err))}; expected --cfg job (or hydra, all), --info and -m each on a command line "
+                "of its own: `python run.py optimizer.lr=0.1 --cfg job` prints one job's config")
     if isinstance(err, OverrideParseException):
         return (f"{err.override}: malformed override ({err.message.splitlines()[0]}); expected key=value, "
                 "with lists as [a,b] and quotes around text with special characters: key='a,b'")

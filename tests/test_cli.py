@@ -56,6 +56,15 @@ def test_compose_mistake_is_one_line_naming_it_and_what_is_valid(tmp_path: Path,
         assert "+" not in line, line
 
 
+@pytest.mark.parametrize("flags", [("optimizer.lr=0.1,0.2", "-m", "--cfg", "job"), ("--info", "-m")],
+                         ids=["multirun-cfg", "info-multirun"])
+def test_two_of_hydras_modes_at_once_is_one_line(tmp_path: Path, flags: tuple[str, ...]) -> None:
+    """Hydra itself raises a bare ValueError (with its traceback) for -m with --cfg or --info."""
+    line = error_line(run_cli(tmp_path, *flags))
+    assert_in(line, "Only one of --run, --multirun, --cfg, --info", "expected --cfg job")
+    assert not any(tmp_path.iterdir())
+
+
 def test_yaml_syntax_error_names_file_and_line(tmp_path: Path) -> None:
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)
