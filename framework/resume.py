@@ -103,13 +103,18 @@ def continues_in_place(multirun: bool, run_dir: Path) -> bool:
 _subdirs: dict[tuple[Optional[str], str], str] = {}  # the first answer per run: Hydra resolves it again later
 
 
-def hydra_subdir_resolver(resume: Optional[str], run_dir: str) -> str:
+def hydra_subdir_resolver(resume: Optional[str], run_dir: str, *, _root_: DictConfig) -> str:
     """`hydra.output_subdir`: a directory that already holds a run keeps its original `.hydra/`; this
     invocation's goes beside it (`resumed-<time>`, or `attempt-<time>` for a fresh run, which app.py refuses
-    and removes). Decided once per run directory: once Hydra has written `.hydra/`, the directory holds a run."""
+    and removes). Decided once per run directory: once Hydra has written `.hydra/`, the directory holds a run.
+    A multirun job's directory is not `run_dir` but `hydra.runtime.output_dir`, set as the job starts; a job
+    run again in it (the same sweep directory) continues in place, so its record is a `resumed-` one."""
+    multirun = getattr(OmegaConf.select(_root_, "hydra.mode"), "name", None) == "MULTIRUN"
+    if multirun:
+        run_dir = OmegaConf.select(_root_, "hydra.runtime.output_dir", default=None, throw_on_missing=False) or run_dir
     key = (resume, str(Path(run_dir).absolute()))
     if key not in _subdirs:
-        kind = "resumed" if resume or continues_in_place(False, Path(run_dir)) else "attempt"
+        kind = "resumed" if resume or continues_in_place(multirun, Path(run_dir)) else "attempt"
         held = holds_run(Path(run_dir))
         _subdirs[key] = f".hydra/{kind}-{datetime.datetime.now():%Y-%m-%d_%H-%M-%S-%f}" if held else ".hydra"
     return _subdirs[key]
