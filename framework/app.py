@@ -22,6 +22,7 @@ from omegaconf import Container, DictConfig, ListConfig, Node, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework import __version__, config, provenance, resume, rundir, sweep
+from framework.sweep import DRY_RUN
 from framework.errors import ConfigError, Interrupted, UserError, full_error
 from framework.launch import WorkerFailed, spawn
 from framework.loggers import write_json
@@ -125,7 +126,8 @@ def _run(cfg: DictConfig, started: Optional[list] = None) -> Optional[float]:
     `started` gets an item once training is handed over (a later failure is no longer "refused at start")."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    if not cfg.resume and resume.continues_in_place(hydra_cfg.mode == RunMode.MULTIRUN, run_dir):
+    in_place = not cfg.resume and resume.continues_in_place(hydra_cfg.mode == RunMode.MULTIRUN, run_dir)
+    if in_place:
         cfg.resume = resume.AUTO  # a requeued job continues from its own last checkpoint
     if not cfg.resume:  # a resumed run's values come from its checkpoint: checked once merged, below
         resolve_all(cfg)
@@ -144,7 +146,14 @@ def _run(cfg: DictConfig, started: Optional[list] = None) -> Optional[float]:
         recording: Optional[provenance.BackgroundWrite] = None
         try:
             while True:
-                cfg, choices = _settled(fresh, fresh_choices, checkpoint, overrides, hydra_cfg)
+                try:
+                    cfg, choices = _settled(fresh, fresh_choices, checkpoint, overrides, hydra_cfg)
+                except ConfigError as err:
+                    if not in_place or checkpoint is None:
+                        raise
+                    raise ConfigError(f"{run_dir} already holds a run, which this job would continue (a sweep "
+                                      f"directory used again, or a requeued job): {err}; for a new run, expected "
+                                      "another hydra.sweep.dir") from None
                 params = sweep.hparams(cfg, choices, overrides)
                 if rank_zero and recording is None:  # once the run is known to start: a refused one leaves nothing
                     recording = provenance.BackgroundWrite(run_dir, Path(hydra_cfg.runtime.cwd), overrides)
@@ -210,10 +219,13 @@ def _platform_start_method() -> Iterator[None]:
 
 def _sweep_job(cfg: DictConfig) -> float:
     """One job of a multirun: never raises (but for submitit's requeue), so a failing job cannot stop the others."""
-    start = time.perf_counter()
+    start, started = time.perf_counter(), []
     try:
         with _platform_start_method():
-            objective = _run(cfg)
+            objective = _run(cfg, started)
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        if cfg.trainer.dry_run and not (run_dir / "summary.json").is_file():  # built, checked, not trained
+            _write_summary(run_dir, {"status": DRY_RUN, "seconds": round(time.perf_counter() - start, 3)})
         return float("nan") if objective is None else objective
     except Interrupted as err:  # saved on a signal: requeued (submitit exits here), or reported as interrupted
         log.warning("%s", err)
@@ -224,9 +236,9 @@ def _sweep_job(cfg: DictConfig) -> float:
     except SystemExit as err:
         if _submitit_requeue(err):  # its time-limit handler requeued the job and exits: not a failure
             raise
-        return _failed_job(err, start)
+        return _failed_job(err, start, bool(started))
     except Exception as err:  # noqa: BLE001  (recorded, reported at the end of the sweep)
-        return _failed_job(err, start)
+        return _failed_job(err, start, bool(started))
 
 
 def _submitit_requeue(err: SystemExit) -> bool:
@@ -236,15 +248,21 @@ def _submitit_requeue(err: SystemExit) -> bool:
                for frame, _ in traceback.walk_tb(err.__traceback__))
 
 
-def _failed_job(err: BaseException, start: float) -> float:
-    """Record a job that failed (summary.json, the log) and give the sweep its NaN objective."""
+def _failed_job(err: BaseException, start: float, started: bool) -> float:
+    """Record a job that failed (summary.json, the log) and give the sweep its NaN objective. A job refused before
+    it started, in a directory whose run has a summary already (the same sweep directory run again), leaves that
+    summary as it is and records the refusal beside it (sweep.REFUSED), newer, so the sweep reports it."""
     message = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
     if not isinstance(err, UserError):
         log.error("Job failed:\n%s", "".join(traceback.format_exception(err)).rstrip())
     else:
         log.error("Error: %s", message)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    _write_summary(run_dir, {"status": "failed", "error": message, "seconds": round(time.perf_counter() - start, 3)})
+    record = {"status": "failed", "error": message, "seconds": round(time.perf_counter() - start, 3)}
+    if not started and (run_dir / "summary.json").is_file():
+        write_json(run_dir / sweep.REFUSED, {**record, "framework_version": __version__})
+    else:
+        _write_summary(run_dir, record)
     return float("nan")
 
 

@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 KEY_CHOICES = {"model": "choice", "data": "choice", "optimizer": "choice", "optimizer.lr": "value",
                "data.batch_size": "value", "precision": "choice", "parallel": "choice", "seed": "value"}
 METRICS = ("val/acc", "val/loss", "test/acc", "test/loss", "train/loss")
+DRY_RUN = "dry run"  # a job's status with trainer.dry_run=true: built and checked, nothing trained
+# A job refused at start in a directory whose run has a summary.json (the sweep directory run again) records the
+# refusal here, and leaves the summary as it was; the newer of the two is the job's status.
+REFUSED = "refused.json"
 
 
 def _plain(value: Any) -> Any:
@@ -122,7 +126,10 @@ def collect(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     jobs = []
     for job_dir in sorted((p for p in sweep_dir.iterdir() if (p / ".hydra").is_dir()),
                           key=lambda p: int(p.name.split("_", 1)[0]) if p.name.split("_", 1)[0].isdigit() else 0):
-        summary_path = job_dir / "summary.json"
+        summary_path, refused = job_dir / "summary.json", job_dir / REFUSED
+        if refused.is_file() and (not summary_path.is_file()
+                                  or refused.stat().st_mtime_ns >= summary_path.stat().st_mtime_ns):
+            summary_path = refused
         summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {
             "status": "failed", "error": "no summary.json (the job died before finishing)"}
         jobs.append((job_dir, _job_overrides(job_dir), summary))
@@ -255,7 +262,7 @@ class SweepSummary(Callback):
         if stats:
             print(stats)
         print(f"Compare them with:  tensorboard --logdir {sweep_dir}")
-        failed = [row for row in rows if row["status"] != "ok"]
+        failed = [row for row in rows if row["status"] not in ("ok", DRY_RUN)]
         for row in failed:
             log.error("Job %s failed: %s", row["job"], row["error"])
         if failed:

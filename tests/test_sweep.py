@@ -223,6 +223,59 @@ def test_jobs_of_a_sweep_in_one_process_free_the_last_job_the_first_included(tmp
     assert alive.read_text().split() == ["0", "0", "0"]
 
 
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_sweep_run_again_in_its_directory_keeps_every_jobs_records(tmp_path):
+    """Each job continues in place (a requeue, or an interrupted sweep run again). Its original .hydra/ records
+    stay, the new ones go to .hydra/resumed-<time>/; a job refused at start leaves the finished run's summary.json
+    as it was, and the sweep reports the refusal and exits 1."""
+    first, sweep_dir = sweep(tmp_path, "optimizer.lr=0.05,0.1", "seed=1", "checkpoint=default")
+    assert first.returncode == 0, output(first)
+    job = job_dirs(sweep_dir)[0]
+    before = snapshot(job)
+    longer, _ = sweep(tmp_path, "optimizer.lr=0.05,0.1", "seed=1", "checkpoint=default", "trainer.max_epochs=2")
+    assert longer.returncode == 0, output(longer)
+    for name in ("config.yaml", "overrides.yaml", "hydra.yaml"):
+        assert (job / ".hydra" / name).read_bytes() == before[f".hydra/{name}"]
+    resumed = sorted((job / ".hydra").glob("resumed-*"))
+    assert len(resumed) == 1 and "trainer.max_epochs=2" in (resumed[0] / "overrides.yaml").read_text()
+    assert json.loads((job / "summary.json").read_text())["epoch"] == 2
+    before = snapshot(job)
+    refused, _ = sweep(tmp_path, "optimizer.lr=0.05,0.1", "seed=2", "checkpoint=default", "trainer.max_epochs=2")
+    assert refused.returncode == 1, output(refused)
+    assert "already holds a run, which this job would continue" in output(refused)
+    assert "expected another hydra.sweep.dir" in output(refused)
+    after = snapshot(job)
+    assert {k: v for k, v in after.items() if k in before and k not in (".lock", "run.log")} == \
+        {k: v for k, v in before.items() if k not in (".lock", "run.log")}
+    assert [r["status"] for r in rows(sweep_dir)] == ["failed", "failed"]
+
+
+def test_a_dry_run_sweep_builds_every_job_and_succeeds(tmp_path):
+    proc, sweep_dir = sweep(tmp_path, "optimizer.lr=0.05,0.1", "trainer.dry_run=true")
+    assert proc.returncode == 0, output(proc)
+    assert [r["status"] for r in rows(sweep_dir)] == ["dry run", "dry run"]
+    assert output(proc).count("Dry run: everything built") == 2
+
+
+def test_a_sweep_from_a_checkpoint_records_each_new_jobs_overrides(tmp_path):
+    """-m resume=RUN_DIR optimizer.lr=a,b: new runs from the checkpoint, each in its own job directory, whose
+    .hydra/ is its own (the table's swept column comes from it); RUN_DIR itself is untouched."""
+    trained = tmp_path / "trained"
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), f"hydra.run.dir={trained}", *QUICK,
+                           "checkpoint=default"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, output(proc)
+    before = snapshot(trained)
+    proc, sweep_dir = sweep(tmp_path, f"resume={trained}", "optimizer.lr=0.05,0.1",
+                            "trainer.max_epochs=2")
+    assert proc.returncode == 0, output(proc)
+    assert all((job / ".hydra" / "overrides.yaml").is_file() for job in job_dirs(sweep_dir))
+    assert sorted(r["optimizer.lr"] for r in rows(sweep_dir)) == ["0.05", "0.1"]
+    assert snapshot(trained) == before
+
+
 class DeterminismTask(ClassificationTask):
     """Notes, as each job's first step is taken, whether torch's deterministic algorithms are on."""
 
