@@ -22,6 +22,7 @@ from omegaconf import Container, DictConfig, ListConfig, Node, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework import __version__, config, provenance, resume, rundir, sweep
+from framework.signals import STOP_ONLY
 from framework.sweep import DRY_RUN
 from framework.errors import ConfigError, Interrupted, UserError, full_error
 from framework.launch import WorkerFailed, spawn
@@ -232,6 +233,8 @@ def _sweep_job(cfg: DictConfig) -> float:
         _requeue(cfg, err)
         _write_summary(Path(HydraConfig.get().runtime.output_dir),
                        {"status": "interrupted", "error": str(err), "seconds": round(time.perf_counter() - start, 3)})
+        if err.signum in STOP_ONLY:  # Ctrl-C or scancel: the jobs after it do not start either
+            sweep.stop_in_sweep_process(cfg, err.signum)
         return float("nan")
     except SystemExit as err:
         if _submitit_requeue(err):  # its time-limit handler requeued the job and exits: not a failure

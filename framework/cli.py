@@ -197,6 +197,9 @@ def run(main: Callable[[], Any]) -> None:
             # Written directly: Hydra may have configured logging (its own format, on stdout) or not at all.
             sys.stderr.write(f"Error: {message}\n")
         sys.exit(1)
+    except KeyboardInterrupt:  # a sweep's parent waiting on joblib's or submitit's workers (each job saves on it)
+        sys.stderr.write("Interrupted.\n")
+        sys.exit(130)
 
 
 def describe(err: Exception, args: Sequence[str], task: Optional[Callable[..., Any]] = None) -> Optional[str]:

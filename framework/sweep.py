@@ -15,6 +15,8 @@ import csv
 import json
 import logging
 import math
+import os
+import signal
 import statistics
 import sys
 from pathlib import Path
@@ -225,6 +227,44 @@ def check_direction(config: DictConfig) -> None:
                           f"expected hydra.sweeper.direction={wanted}")
 
 
+_SWEEP: dict[str, Any] = {}  # the multirun's own process and directory, set as it starts
+
+
+def stop_in_sweep_process(config: DictConfig, signum: int) -> None:
+    """A job stopped by Ctrl-C or SIGTERM (`scancel`) in the sweep's own process (Hydra's basic launcher runs the
+    jobs one after another there): the sweep stops too, with its summary so far, exit 128 + the signal number.
+    (A joblib or submitit job runs in a worker process, which the same signal reaches with the whole sweep.)"""
+    if _SWEEP.get("pid") != os.getpid():
+        return
+    report(config, _SWEEP["dir"])
+    print(f"Sweep stopped by {signal.Signals(signum).name}: the same command with hydra.sweep.dir={_SWEEP['dir']} "
+          "continues it (each job from its checkpoints/last)")
+    sys.exit(128 + signum)
+
+
+def report(config: DictConfig, sweep_dir: Optional[Path]) -> bool:
+    """Write summary.csv and print the table, best job first; True when a job did not end ok."""
+    if sweep_dir is None or not sweep_dir.is_dir():
+        return False
+    rows, swept = collect(sweep_dir)
+    if not rows:
+        return False
+    metric, mode = objective(config)
+    rows = rank(rows, metric, mode)
+    write_csv(sweep_dir / "summary.csv", rows)
+    columns = ["job", *swept, metric, *(m for m in ("val/loss", "test/acc") if m != metric), "status", "seconds"]
+    print(f"\nSweep summary ({len(rows)} jobs, best {metric} first): {sweep_dir / 'summary.csv'}")
+    print(format_table(rows, columns))
+    stats = seed_stats(rows, swept, metric)
+    if stats:
+        print(stats)
+    print(f"Compare them with:  tensorboard --logdir {sweep_dir}")
+    failed = [row for row in rows if row["status"] not in ("ok", DRY_RUN)]
+    for row in failed:
+        log.error("Job %s %s: %s", row["job"], row["status"], row["error"])
+    return bool(failed)
+
+
 class SweepSummary(Callback):
     """At the end of a multirun: summary.csv, the table best job first, and a non-zero exit on failures."""
 
@@ -244,26 +284,8 @@ class SweepSummary(Callback):
         if HydraConfig.instance().cfg is None:
             HydraConfig.instance().set_config(config)
         self.sweep_dir = Path(config.hydra.sweep.dir)
+        _SWEEP.update(pid=os.getpid(), dir=self.sweep_dir)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = self.sweep_dir
-        if sweep_dir is None or not sweep_dir.is_dir():
-            return
-        rows, swept = collect(sweep_dir)
-        if not rows:
-            return
-        metric, mode = objective(config)
-        rows = rank(rows, metric, mode)
-        write_csv(sweep_dir / "summary.csv", rows)
-        columns = ["job", *swept, metric, *(m for m in ("val/loss", "test/acc") if m != metric), "status", "seconds"]
-        print(f"\nSweep summary ({len(rows)} jobs, best {metric} first): {sweep_dir / 'summary.csv'}")
-        print(format_table(rows, columns))
-        stats = seed_stats(rows, swept, metric)
-        if stats:
-            print(stats)
-        print(f"Compare them with:  tensorboard --logdir {sweep_dir}")
-        failed = [row for row in rows if row["status"] not in ("ok", DRY_RUN)]
-        for row in failed:
-            log.error("Job %s failed: %s", row["job"], row["error"])
-        if failed:
+        if report(config, self.sweep_dir):
             sys.exit(1)

@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -251,6 +252,25 @@ def test_a_sweep_run_again_in_its_directory_keeps_every_jobs_records(tmp_path):
     assert {k: v for k, v in after.items() if k in before and k not in (".lock", "run.log")} == \
         {k: v for k, v in before.items() if k not in (".lock", "run.log")}
     assert [r["status"] for r in rows(sweep_dir)] == ["failed", "failed"]
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_ends_a_sequential_sweep_and_the_same_command_continues_it(tmp_path, signal_name):
+    """Hydra's basic launcher runs the jobs one after another in the sweep's process: Ctrl-C or scancel's SIGTERM
+    stopped the running job (saved) and the sweep went on to the next one."""
+    jobs = ("optimizer.lr=0.05,0.1,0.2", "checkpoint=default", "trainer.max_epochs=2")
+    killhook = {"PYTHONPATH": str(Path(__file__).parent / "killhook"), "KILL_AT_STEP": "4",
+                "KILL_SIGNAL": signal_name, "KILL_ONCE_FILE": str(tmp_path / "once")}
+    stopped, sweep_dir = sweep(tmp_path, *jobs, env=killhook)
+    assert stopped.returncode == 128 + getattr(signal, signal_name), output(stopped)
+    assert [(r["optimizer.lr"], r["status"]) for r in rows(sweep_dir)] == [("0.05", "interrupted")], output(stopped)
+    assert len(job_dirs(sweep_dir)) == 1 and "Traceback" not in output(stopped)
+    assert f"Sweep stopped by {signal_name}: the same command with hydra.sweep.dir={sweep_dir}" in output(stopped)
+    again, _ = sweep(tmp_path, *jobs)
+    assert again.returncode == 0, output(again)
+    assert "at step 4 (epoch 1, batch 1)" in output(again)
+    assert sorted((r["optimizer.lr"], r["status"]) for r in rows(sweep_dir)) == [
+        ("0.05", "ok"), ("0.1", "ok"), ("0.2", "ok")]
 
 
 def test_a_dry_run_sweep_builds_every_job_and_succeeds(tmp_path):
