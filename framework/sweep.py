@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import statistics
 import sys
@@ -28,7 +29,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, ValueType
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, read_write
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +228,13 @@ def check_direction(config: DictConfig) -> None:
                           f"expected hydra.sweeper.direction={wanted}")
 
 
+def _quoted(value: str) -> str:
+    """A value as one override's text: quoted, with Hydra's escapes, where it holds characters the parser reads."""
+    if re.fullmatch(r"[\w./:@%+-]*", value):
+        return value
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 _SWEEP: dict[str, Any] = {}  # the multirun's own process and directory, set as it starts
 
 
@@ -285,6 +293,13 @@ class SweepSummary(Callback):
             HydraConfig.instance().set_config(config)
         self.sweep_dir = Path(config.hydra.sweep.dir)
         _SWEEP.update(pid=os.getpid(), dir=self.sweep_dir)
+        # Every job composes its own config, where `hydra.sweep.dir` would follow the job's `name` (its model and
+        # data): `-m model=mlp,cnn` put its jobs in two sweep directories. The value resolved here goes to every
+        # job as one of the sweep's hydra overrides, which Hydra applies to each job's composition.
+        hydra_overrides = config.hydra.overrides.hydra
+        if not any(str(o).lstrip("+~").startswith("hydra.sweep.dir=") for o in hydra_overrides):
+            with read_write(hydra_overrides):
+                hydra_overrides.append(f"hydra.sweep.dir={_quoted(str(self.sweep_dir))}")
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if report(config, self.sweep_dir):
