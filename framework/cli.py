@@ -37,7 +37,7 @@ from hydra.plugins.search_path_plugin import SearchPathPlugin
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from framework import __version__, app, config, faststart, launch, resume, signals
+from framework import __version__, app, config, faststart, launch, resume, signals, sweep
 from framework.config import CLOSED_GROUPS, suggest_key
 from framework.errors import FORCED_FULL_ERROR, full_error
 
@@ -193,6 +193,7 @@ def run(main: Callable[[], Any]) -> None:
         message = describe(err, sys.argv[1:], inspect.unwrap(main))
         if message is None:
             raise
+        sweep.discard_unused()
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: rank 0 says it once
             # Written directly: Hydra may have configured logging (its own format, on stdout) or not at all.
             sys.stderr.write(f"Error: {message}\n")

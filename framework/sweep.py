@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import signal
 import statistics
 import sys
@@ -250,6 +251,17 @@ def stop_in_sweep_process(config: DictConfig, signum: int) -> None:
     sys.exit(128 + signum)
 
 
+def discard_unused() -> None:
+    """A sweep refused before its first job ran (a mistake in a sweep override: Hydra finds it as it composes
+    the job, after its sweeper saved multirun.yaml) leaves nothing: a sweep directory it made that holds only that
+    file is removed, as a refused run's directory is."""
+    folder = _SWEEP.get("dir")
+    if folder is None or _SWEEP.get("existed") or _SWEEP.get("pid") != os.getpid() or not folder.is_dir():
+        return
+    if {p.name for p in folder.iterdir()} <= {"multirun.yaml"}:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def report(config: DictConfig, sweep_dir: Optional[Path]) -> bool:
     """Write summary.csv and print the table, best job first; True when a job did not end ok."""
     if sweep_dir is None or not sweep_dir.is_dir():
@@ -292,7 +304,7 @@ class SweepSummary(Callback):
         if HydraConfig.instance().cfg is None:
             HydraConfig.instance().set_config(config)
         self.sweep_dir = Path(config.hydra.sweep.dir)
-        _SWEEP.update(pid=os.getpid(), dir=self.sweep_dir)
+        _SWEEP.update(pid=os.getpid(), dir=self.sweep_dir, existed=self.sweep_dir.exists())
         # Every job composes its own config, where `hydra.sweep.dir` would follow the job's `name` (its model and
         # data): `-m model=mlp,cnn` put its jobs in two sweep directories. The value resolved here goes to every
         # job as one of the sweep's hydra overrides, which Hydra applies to each job's composition.

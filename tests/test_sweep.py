@@ -286,6 +286,17 @@ def test_a_sweep_over_models_keeps_its_jobs_in_one_default_sweep_directory(tmp_p
     assert sorted(r["model"] for r in rows(sweeps[0])) == ["cnn", "mlp"]
 
 
+@pytest.mark.parametrize("typo", ["optimizer.lrr=0.1,0.2", "model=cnnn,mlp"])
+def test_a_mistake_in_a_sweep_override_is_one_line_and_leaves_no_sweep_directory(tmp_path, typo):
+    """Hydra's sweeper saves multirun.yaml in a new sweep directory before it composes the first job, which finds
+    the mistake: the directory held only that file."""
+    proc, sweep_dir = sweep(tmp_path, typo)
+    assert proc.returncode == 1 and "Traceback" not in output(proc), output(proc)
+    lines = [line for line in output(proc).splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"Error: {typo}: "), output(proc)
+    assert not sweep_dir.exists()
+
+
 def test_a_dry_run_sweep_builds_every_job_and_succeeds(tmp_path):
     proc, sweep_dir = sweep(tmp_path, "optimizer.lr=0.05,0.1", "trainer.dry_run=true")
     assert proc.returncode == 0, output(proc)
