@@ -294,8 +294,13 @@ class SweepSummary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from framework.errors import ConfigError
 
+        from framework.config import check_closed_keys
+
         try:
             check_direction(config)
+            # A key the framework's groups do not have, given to every job (`+trainer.max_epoch=1`), fails every
+            # job alike: say so once, before any starts (or, on SLURM, is submitted).
+            check_closed_keys(OmegaConf.masked_copy(config, [key for key in config if key != "hydra"]))
         except ConfigError as err:  # before any job (Hydra would turn a callback's exception into a warning)
             sys.stderr.write(f"Error: {err}\n")
             sys.exit(1)

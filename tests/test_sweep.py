@@ -286,14 +286,20 @@ def test_a_sweep_over_models_keeps_its_jobs_in_one_default_sweep_directory(tmp_p
     assert sorted(r["model"] for r in rows(sweeps[0])) == ["cnn", "mlp"]
 
 
-@pytest.mark.parametrize("typo", ["optimizer.lrr=0.1,0.2", "model=cnnn,mlp"])
-def test_a_mistake_in_a_sweep_override_is_one_line_and_leaves_no_sweep_directory(tmp_path, typo):
+@pytest.mark.parametrize("overrides, said", [
+    (("optimizer.lrr=0.1,0.2",), "optimizer.lrr=0.1,0.2: optimizer has no key 'lrr'"),
+    (("model=cnnn,mlp",), "model=cnnn,mlp: no such option in group 'model'"),
+    (("+trainer.max_epoch=1", "optimizer.lr=0.1,0.2"), "trainer.max_epoch=1: trainer has no key 'max_epoch'; "
+                                                        "did you mean 'trainer.max_epochs'?")],
+    ids=["swept-key", "swept-option", "lightning-key-for-every-job"])
+def test_a_mistake_in_a_sweep_is_one_line_before_any_job_and_leaves_no_sweep_directory(tmp_path, overrides, said):
     """Hydra's sweeper saves multirun.yaml in a new sweep directory before it composes the first job, which finds
-    the mistake: the directory held only that file."""
-    proc, sweep_dir = sweep(tmp_path, typo)
+    a swept mistake: the directory held only that file. A `+key` the framework's groups lack, given to every job,
+    failed each job alike (on SLURM, each submitted only to fail)."""
+    proc, sweep_dir = sweep(tmp_path, *overrides)
     assert proc.returncode == 1 and "Traceback" not in output(proc), output(proc)
     lines = [line for line in output(proc).splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"Error: {typo}: "), output(proc)
+    assert len(lines) == 1 and lines[0].startswith(f"Error: {said}"), output(proc)
     assert not sweep_dir.exists()
 
 
