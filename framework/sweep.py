@@ -121,8 +121,25 @@ def sweep_subdir(*, _root_: DictConfig) -> str:
 # ---------------------------------------------------------------------------------------------- summary
 def _job_overrides(job_dir: Path) -> dict[str, str]:
     path = job_dir / ".hydra" / "overrides.yaml"
-    items = yaml.safe_load(path.read_text()) if path.is_file() else []
-    return dict(str(item).lstrip("+~").split("=", 1) for item in items or [] if "=" in str(item))
+    try:
+        items = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else []
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):  # damaged: the row just lacks the swept values
+        items = []
+    if not isinstance(items, list):
+        items = []
+    return dict(str(item).lstrip("+~").split("=", 1) for item in items if "=" in str(item))
+
+
+def _read_summary(path: Path) -> dict[str, Any]:
+    """A job's record; a damaged or foreign one (cut short, not a JSON object) is a failed row naming the file,
+    never the end of the summary (Hydra would turn that into a warning, and the sweep would exit 0)."""
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        return {"status": "failed", "error": f"{path}: unreadable ({type(err).__name__}: {err})"}
+    if not isinstance(summary, dict):
+        return {"status": "failed", "error": f"{path}: expected a JSON object, found {type(summary).__name__}"}
+    return summary
 
 
 def collect(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
@@ -134,7 +151,7 @@ def collect(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
         if refused.is_file() and (not summary_path.is_file()
                                   or refused.stat().st_mtime_ns >= summary_path.stat().st_mtime_ns):
             summary_path = refused
-        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {
+        summary = _read_summary(summary_path) if summary_path.is_file() else {
             "status": "failed", "error": "no summary.json (the job died before finishing)"}
         jobs.append((job_dir, _job_overrides(job_dir), summary))
     keys: list[str] = []

@@ -303,6 +303,30 @@ def test_a_mistake_in_a_sweep_is_one_line_before_any_job_and_leaves_no_sweep_dir
     assert not sweep_dir.exists()
 
 
+def test_a_damaged_job_record_is_a_failed_row_not_a_lost_summary(tmp_path, capsys):
+    """summary.json cut short or not an object, or a damaged overrides.yaml (foreign or damaged files), stopped
+    the whole sweep summary."""
+    from omegaconf import OmegaConf
+
+    from framework.sweep import report
+
+    records = {"0_lr=0.1": b'{"val/acc": 0.5, "status": "ok"}', "1_lr=0.2": b'{"val/acc": 0.', "2_lr=0.3": b"[1, 2]",
+               "3_lr=0.4": b"\xff\xfe\x00garbage"}
+    for name, content in records.items():
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        (tmp_path / name / "summary.json").write_bytes(content)
+        (tmp_path / name / ".hydra" / "overrides.yaml").write_bytes(b"- lr=0." + name[-1].encode() + b"\n")
+    (tmp_path / "3_lr=0.4" / ".hydra" / "overrides.yaml").write_bytes(b"- [unclosed\n\xff")  # damaged too
+    assert report(OmegaConf.create({"checkpoint": {"monitor": "val/acc", "mode": "max"}}), tmp_path) is True
+    table = rows(tmp_path)
+    assert [(r["job"], r["status"]) for r in table] == [("0_lr=0.1", "ok"), ("1_lr=0.2", "failed"),
+                                                        ("2_lr=0.3", "failed"), ("3_lr=0.4", "failed")]
+    assert all(f"{tmp_path / r['job'] / 'summary.json'}: " in r["error"] for r in table[1:])
+    assert "expected a JSON object" in table[2]["error"]
+    assert [r["lr"] for r in table] == ["0.1", "0.2", "0.3", ""]
+    assert "Sweep summary (4 jobs" in capsys.readouterr().out
+
+
 def test_a_dry_run_sweep_builds_every_job_and_succeeds(tmp_path):
     proc, sweep_dir = sweep(tmp_path, "optimizer.lr=0.05,0.1", "trainer.dry_run=true")
     assert proc.returncode == 0, output(proc)
