@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -246,11 +245,18 @@ def check_direction(config: DictConfig) -> None:
                           f"expected hydra.sweeper.direction={wanted}")
 
 
-def _quoted(value: str) -> str:
-    """A value as one override's text: quoted, with Hydra's escapes, where it holds characters the parser reads."""
-    if re.fullmatch(r"[\w./:@%+-]*", value):
-        return value
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+def _as_override(key: str, value: str) -> Optional[str]:
+    """`key=value` as override text that Hydra's parser reads back as exactly `value`; None if no quoting does."""
+    if "${" in value:  # would be composed as an interpolation
+        return None
+    parser = OverridesParser.create()
+    for text in (value, f"'{value}'", f'"{value}"', "'" + value.replace("'", "\\'") + "'"):
+        try:
+            if parser.parse_override(f"{key}={text}").value() == value:
+                return f"{key}={text}"
+        except HydraException:
+            continue
+    return None
 
 
 _SWEEP: dict[str, Any] = {}  # the multirun's own process and directory, set as it starts
@@ -331,9 +337,10 @@ class SweepSummary(Callback):
         # data): `-m model=mlp,cnn` put its jobs in two sweep directories. The value resolved here goes to every
         # job as one of the sweep's hydra overrides, which Hydra applies to each job's composition.
         hydra_overrides = config.hydra.overrides.hydra
-        if not any(str(o).lstrip("+~").startswith("hydra.sweep.dir=") for o in hydra_overrides):
+        fixed = _as_override("hydra.sweep.dir", str(self.sweep_dir))
+        if fixed and not any(str(o).lstrip("+~").startswith("hydra.sweep.dir=") for o in hydra_overrides):
             with read_write(hydra_overrides):
-                hydra_overrides.append(f"hydra.sweep.dir={_quoted(str(self.sweep_dir))}")
+                hydra_overrides.append(fixed)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if report(config, self.sweep_dir):

@@ -273,15 +273,16 @@ def test_a_stop_signal_ends_a_sequential_sweep_and_the_same_command_continues_it
         ("0.05", "ok"), ("0.1", "ok"), ("0.2", "ok")]
 
 
-def test_a_sweep_over_models_keeps_its_jobs_in_one_default_sweep_directory(tmp_path):
+@pytest.mark.parametrize("named", [(), ("name='my sweep,1 it\\'s'",)], ids=["default-name", "awkward-name"])
+def test_a_sweep_over_models_keeps_its_jobs_in_one_default_sweep_directory(tmp_path, named):
     """The default hydra.sweep.dir is outputs/${name}/multirun/<time>, and name follows each job's model: the jobs
     of -m model=mlp,cnn went to two sweep directories, and the summary saw one job."""
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", *QUICK, "model=mlp,cnn"], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", *QUICK, *named, "model=mlp,cnn"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300,
                           env={k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"})
     assert proc.returncode == 0, output(proc)
     sweeps = list(tmp_path.glob("outputs/*/multirun/*"))
-    assert len(sweeps) == 1, sweeps
+    assert len(sweeps) == 1 and sweeps[0].parent.parent.name == ("my sweep,1 it's" if named else "digits_mlp"), sweeps
     assert [p.name for p in job_dirs(sweeps[0])] == ["0_model=mlp", "1_model=cnn"]
     assert sorted(r["model"] for r in rows(sweeps[0])) == ["cnn", "mlp"]
 
