@@ -31,6 +31,9 @@ from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
+from framework.config import check_closed_keys
+from framework.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 # The choices every job records as HParams, beside its own overrides: name -> how to read it.
@@ -238,8 +241,6 @@ def check_direction(config: DictConfig) -> None:
     metric, mode = objective(config)
     wanted = "maximize" if mode == "max" else "minimize"
     if direction != wanted:
-        from framework.errors import ConfigError
-
         raise ConfigError(f"hydra.sweeper.direction={direction}: each job returns {metric} (checkpoint.monitor), "
                           f"better when {'larger' if mode == 'max' else 'smaller'} (checkpoint.mode={mode}); "
                           f"expected hydra.sweeper.direction={wanted}")
@@ -315,10 +316,6 @@ class SweepSummary(Callback):
         self.sweep_dir: Optional[Path] = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from framework.errors import ConfigError
-
-        from framework.config import check_closed_keys
-
         try:
             check_direction(config)
             # A key the framework's groups do not have, given to every job (`+trainer.max_epoch=1`), fails every
