@@ -27,6 +27,8 @@ from framework.signals import DEFAULT_SIGNALS, parse as parse_signal
 class TrainerConfig:
     max_epochs: int = 20
     max_steps: int = -1  # optimizer steps; -1 means "no limit" (Lightning's convention)
+    min_epochs: int = 0  # early stopping (a callback's request_stop) waits until this many epochs are complete
+    min_steps: int = 0  # ... and this many optimizer steps
     val_every_n_epochs: int = 1
     val_every_n_steps: int = 0  # also validate every N optimizer steps, counted across epochs (0: never)
     max_time: Optional[str] = None  # this job's wall-clock budget, DD:HH:MM:SS or seconds (each start gets it anew)
@@ -38,9 +40,16 @@ class TrainerConfig:
     limit_train_batches: Union[int, float] = 1.0
     limit_val_batches: Union[int, float] = 1.0
     limit_test_batches: Union[int, float] = 1.0
+    # Lightning's overfit_batches: the same first N train batches (a float: a fraction) every epoch, unshuffled,
+    # and validation on those same batches. 0: off.
+    overfit_batches: Union[int, float] = 0
     fast_dev_run: bool = False
     dry_run: bool = False
     test: bool = True
+    # Which weights fit's test uses (Lightning's ckpt_path): best, last, or null (best when a monitored top-k
+    # checkpoint is kept, else the final weights).
+    test_ckpt: Optional[str] = None
+    detect_anomaly: bool = False  # torch.autograd's anomaly mode: the op that made a NaN/inf gradient, named
     deterministic: bool = False
     compile: bool = False
     device: str = "auto"
