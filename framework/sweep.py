@@ -1,8 +1,8 @@
 """Sweeps that compare themselves: each job's HParams for TensorBoard, and the sweep summary at the end.
 
 `SweepSummary` is a Hydra callback (conf/config.yaml, `hydra.callbacks`). When a multirun ends it reads
-every job's `summary.json`, writes `summary.csv` in the sweep directory (one row per job: directory, swept
-values, final and best metrics, status, seconds), prints the table best job first (and mean ± std over
+every job's `summary.json`, writes `summary.csv` in the sweep directory (one row per job: directory, every swept
+key, every metric any job recorded, status, seconds), prints the table best job first (and mean ± std over
 seeds when the sweep varies `seed` beside other keys), and exits non-zero if any job failed. Jobs never
 stop a sweep: the app records a failed job's error in its `summary.json` and returns (see app.py).
 
@@ -21,7 +21,7 @@ import signal
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 import yaml
 from hydra.core.hydra_config import HydraConfig
@@ -39,7 +39,13 @@ log = logging.getLogger(__name__)
 # The choices every job records as HParams, beside its own overrides: name -> how to read it.
 KEY_CHOICES = {"model": "choice", "data": "choice", "optimizer": "choice", "optimizer.lr": "value",
                "data.batch_size": "value", "precision": "choice", "parallel": "choice", "seed": "value"}
-METRICS = ("val/acc", "val/loss", "test/acc", "test/loss", "train/loss")
+# What a job's summary.json records beside its metrics (trainer.Trainer._summary, app._failed_job and the app's
+# other records): every other number in it is a metric, named as the trainer or the task logged it.
+RUN_FIELDS = frozenset({"status", "error", "step", "epoch", "batch_in_epoch", "epoch_batches", "seconds",
+                        "world_size", "precision", "best_checkpoint", "stopped", "framework_version"})
+# The order of the metric columns after the objective: by the part of the name before its first "/", then the rest.
+METRIC_GROUPS = ("val", "best", "test", "train")
+TABLE_GROUPS = ("val", "best", "test")  # the console table's; summary.csv has every metric
 DRY_RUN = "dry run"  # a job's status with trainer.dry_run=true: built and checked, nothing trained
 # A job refused at start in a directory whose run has a summary.json (the sweep directory run again) records the
 # refusal here, and leaves the summary as it was; the newer of the two is the job's status.
@@ -84,24 +90,39 @@ def _varies(override: Override) -> bool:
     return len(list(override.sweep_string_iterator())) > 1
 
 
+def _search_space(hydra_cfg: DictConfig) -> list[str]:
+    """`hydra.sweeper.params` (Optuna's search space, or the basic sweeper's) as override text."""
+    params = OmegaConf.select(hydra_cfg, "sweeper.params", default=None)
+    return [f"{key}={value}" for key, value in params.items()] if params else []
+
+
+def _swept_by(arguments: list[str]) -> Optional[set[str]]:
+    """The keys these sweep overrides give more than one value, as Hydra's parser reads them; None for a sweeper's
+    own syntax, which Hydra's parser does not know."""
+    try:
+        return {o.key_or_group for o in OverridesParser.create().parse_overrides(arguments) if _varies(o)}
+    except HydraException:
+        return None
+
+
 def swept_keys(hydra_cfg: DictConfig) -> Optional[set[str]]:
-    """The keys the sweep gives more than one value, from the sweep's command line (Hydra's basic sweeper saves
-    it in SWEEP_DIR/multirun.yaml before the first job) and `hydra.sweeper.params` (Optuna's search space);
-    None when neither is known."""
+    """In a job: the keys the sweep gives more than one value, from the sweep's command line (Hydra's basic sweeper
+    saves it in SWEEP_DIR/multirun.yaml before the first job) and `hydra.sweeper.params` (Optuna's search space);
+    None when neither is known, or in a sweeper's own syntax (name every override, as Hydra would)."""
     arguments: list[str] = []
     recorded = Path(str(hydra_cfg.sweep.dir)) / "multirun.yaml"
     if recorded.is_file():
         saved = yaml.safe_load(recorded.read_text()) or {}
         arguments += [str(a) for a in ((saved.get("hydra") or {}).get("overrides") or {}).get("task") or []]
-    params = OmegaConf.select(hydra_cfg, "sweeper.params", default=None)
-    if params:
-        arguments += [f"{key}={value}" for key, value in params.items()]
-    if not recorded.is_file() and not params:
-        return None
-    try:
-        return {o.key_or_group for o in OverridesParser.create().parse_overrides(arguments) if _varies(o)}
-    except HydraException:  # a sweeper's own syntax: name every override, as Hydra would
-        return None
+    arguments += _search_space(hydra_cfg)
+    return _swept_by(arguments) if arguments or recorded.is_file() else None
+
+
+def sweep_keys(config: DictConfig) -> set[str]:
+    """In the multirun's own process: the keys its command line and its search space give more than one value.
+    Optuna draws from `data.batch_size=32,64` and writes no multirun.yaml; its trials may all draw 64."""
+    hydra_cfg = config.hydra
+    return _swept_by([str(o) for o in hydra_cfg.overrides.task] + _search_space(hydra_cfg)) or set()
 
 
 def sweep_subdir(*, _root_: DictConfig) -> str:
@@ -144,8 +165,8 @@ def _read_summary(path: Path) -> dict[str, Any]:
     return summary
 
 
-def collect(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """One row per job directory of the sweep, and the keys whose values differ between jobs."""
+def _read_jobs(sweep_dir: Path) -> list[tuple[Path, dict[str, str], dict[str, Any]]]:
+    """Each job directory of the sweep in job order, with its overrides and its record."""
     jobs = []
     for job_dir in sorted((p for p in sweep_dir.iterdir() if (p / ".hydra").is_dir()),
                           key=lambda p: int(p.name.split("_", 1)[0]) if p.name.split("_", 1)[0].isdigit() else 0):
@@ -156,22 +177,47 @@ def collect(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
         summary = _read_summary(summary_path) if summary_path.is_file() else {
             "status": "failed", "error": "no summary.json (the job died before finishing)"}
         jobs.append((job_dir, _job_overrides(job_dir), summary))
+    return jobs
+
+
+def _swept_columns(overrides: list[dict[str, str]], declared: Collection[str]) -> list[str]:
+    """The keys the sweep declared swept (whatever values its jobs drew) and those whose values differ between
+    jobs (a sweep directory run again with others), in the order of the jobs' overrides; every key when none is."""
     keys: list[str] = []
-    for _, overrides, _ in jobs:
-        keys += [k for k in overrides if k not in keys]
-    swept = [k for k in keys if len({o.get(k) for _, o, _ in jobs}) > 1] or keys
+    for job in overrides:
+        keys += [k for k in job if k not in keys]
+    return [k for k in keys if k in declared or len({job.get(k) for job in overrides}) > 1] or keys
+
+
+def metric_columns(summaries: list[dict[str, Any]], objective: str) -> list[str]:
+    """Every metric any job recorded: the objective first (a column even when no job has it), then by group
+    (val/*, best/*, test/*, train/*, any other) and by name within one."""
+    names = {k for s in summaries for k, v in s.items()
+             if k not in RUN_FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    def order(name: str) -> tuple[int, str]:
+        group = name.split("/", 1)[0] if "/" in name else ""
+        return (METRIC_GROUPS.index(group) if group in METRIC_GROUPS else len(METRIC_GROUPS), name)
+    return [objective, *sorted(names - {objective}, key=order)]
+
+
+def collect(sweep_dir: Path, objective: str, declared: Collection[str] = ()) -> tuple[
+        list[dict[str, Any]], list[str], list[str]]:
+    """One row per job directory of the sweep, the swept keys and the metrics: each a column of every row, empty
+    where a job lacks it. `declared`: the keys the sweep's command line and search space sweep."""
+    jobs = _read_jobs(sweep_dir)
+    swept = _swept_columns([overrides for _, overrides, _ in jobs], declared)
+    metrics = metric_columns([summary for _, _, summary in jobs], objective)
     rows = []
     for job_dir, overrides, summary in jobs:
         row: dict[str, Any] = {"job": job_dir.name}
         row.update({k: overrides.get(k, "") for k in swept})
-        for name in METRICS:
-            row[name] = summary.get(name, "")
-        row.update({k: v for k, v in summary.items() if k.startswith("best/")})
+        row.update({name: summary.get(name, "") for name in metrics})
         row["status"] = summary.get("status", "ok")
         row["seconds"] = summary.get("seconds", "")
         row["error"] = summary.get("error", "")
         rows.append(row)
-    return rows, swept
+    return rows, swept, metrics
 
 
 def rank(rows: list[dict[str, Any]], metric: str, mode: str) -> list[dict[str, Any]]:
@@ -185,11 +231,9 @@ def rank(rows: list[dict[str, Any]], metric: str, mode: str) -> list[dict[str, A
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    columns: list[str] = []
-    for row in rows:
-        columns += [c for c in row if c not in columns]
+    """Every row has every column (collect)."""
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
 
@@ -269,7 +313,7 @@ def stop_in_sweep_process(config: DictConfig, signum: int) -> None:
     (A joblib or submitit job runs in a worker process, which the same signal reaches with the whole sweep.)"""
     if _SWEEP.get("pid") != os.getpid():
         return
-    report(config, _SWEEP["dir"])
+    report(config, _SWEEP["dir"], _SWEEP.get("swept", ()))
     print(f"Sweep stopped by {signal.Signals(signum).name}: the same command with hydra.sweep.dir={_SWEEP['dir']} "
           "continues it (each job from its checkpoints/last)")
     sys.exit(128 + signum)
@@ -286,17 +330,20 @@ def discard_unused() -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def report(config: DictConfig, sweep_dir: Optional[Path]) -> bool:
-    """Write summary.csv and print the table, best job first; True when a job did not end ok."""
+def report(config: DictConfig, sweep_dir: Optional[Path], declared: Collection[str] = ()) -> bool:
+    """Write summary.csv and print the table, best job first; True when a job did not end ok. `declared`: the
+    keys the sweep sweeps (sweep_keys), each a column whatever values its jobs drew."""
     if sweep_dir is None or not sweep_dir.is_dir():
         return False
-    rows, swept = collect(sweep_dir)
+    metric, mode = objective(config)
+    rows, swept, metrics = collect(sweep_dir, metric, declared)
     if not rows:
         return False
-    metric, mode = objective(config)
     rows = rank(rows, metric, mode)
     write_csv(sweep_dir / "summary.csv", rows)
-    columns = ["job", *swept, metric, *(m for m in ("val/loss", "test/acc") if m != metric), "status", "seconds"]
+    # Readable at a terminal: the objective and the val/best/test metrics; train/* and the rest are in the csv.
+    shown = [m for m in metrics if m == metric or ("/" in m and m.split("/", 1)[0] in TABLE_GROUPS)]
+    columns = ["job", *swept, *shown, "status", "seconds"]
     print(f"\nSweep summary ({len(rows)} jobs, best {metric} first): {sweep_dir / 'summary.csv'}")
     print(format_table(rows, columns))
     stats = seed_stats(rows, swept, metric)
@@ -329,7 +376,7 @@ class SweepSummary(Callback):
         if HydraConfig.instance().cfg is None:
             HydraConfig.instance().set_config(config)
         self.sweep_dir = Path(config.hydra.sweep.dir)
-        _SWEEP.update(pid=os.getpid(), dir=self.sweep_dir, existed=self.sweep_dir.exists())
+        _SWEEP.update(pid=os.getpid(), dir=self.sweep_dir, existed=self.sweep_dir.exists(), swept=sweep_keys(config))
         # Every job composes its own config, where `hydra.sweep.dir` would follow the job's `name` (its model and
         # data): `-m model=mlp,cnn` put its jobs in two sweep directories. The value resolved here goes to every
         # job as one of the sweep's hydra overrides, which Hydra applies to each job's composition.
@@ -340,5 +387,5 @@ class SweepSummary(Callback):
                 hydra_overrides.append(fixed)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if report(config, self.sweep_dir):
+        if report(config, self.sweep_dir, _SWEEP.get("swept", ())):
             sys.exit(1)

@@ -328,6 +328,34 @@ def test_a_damaged_job_record_is_a_failed_row_not_a_lost_summary(tmp_path, capsy
     assert "Sweep summary (4 jobs" in capsys.readouterr().out
 
 
+def test_a_metric_only_some_jobs_recorded_is_a_column_with_empty_cells_for_the_others(tmp_path, capsys):
+    """A metric is any number in summary.json but the run's own fields (step, epoch, seconds...), whatever its name
+    (a ported LightningModule logs `val_acc`); the objective leads, the rest follow by group."""
+    from omegaconf import OmegaConf
+
+    from framework.sweep import report
+
+    records = {"0_lr=0.1": {"val/loss": 0.5, "val/acc_best": 0.75, "val_acc": 0.7, "train/loss": 0.4, "step": 3,
+                            "epoch": 1, "seconds": 1.5, "world_size": 1, "status": "ok"},
+               "1_lr=0.2": {"val/loss": 0.25, "best/val/loss": 0.25, "test/acc": 0.5, "step": 3, "seconds": 2.0,
+                            "status": "ok"}}
+    for name, record in records.items():
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        (tmp_path / name / "summary.json").write_text(json.dumps(record))
+        (tmp_path / name / ".hydra" / "overrides.yaml").write_text(f"- lr={name[-3:]}\n")
+    assert report(OmegaConf.create({"checkpoint": {"monitor": "val/loss", "mode": "min"}}), tmp_path) is False
+    with open(tmp_path / "summary.csv") as f:
+        assert next(csv.reader(f)) == ["job", "lr", "val/loss", "val/acc_best", "best/val/loss", "test/acc",
+                                       "train/loss", "val_acc", "status", "seconds", "error"]
+    table = {r["job"]: r for r in rows(tmp_path)}
+    assert table["0_lr=0.1"]["val/acc_best"] == "0.75" and table["1_lr=0.2"]["val/acc_best"] == ""
+    assert table["0_lr=0.1"]["test/acc"] == "" and table["1_lr=0.2"]["test/acc"] == "0.5"
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[2].split() == ["job", "lr", "val/loss", "val/acc_best", "best/val/loss", "test/acc", "status",
+                                  "seconds"]
+    assert printed[3].split() == ["1_lr=0.2", "0.2", "0.2500", "0.2500", "0.5000", "ok", "2.0000"]  # no val/acc_best
+
+
 def test_a_dry_run_sweep_builds_every_job_and_succeeds(tmp_path):
     proc, sweep_dir = sweep(tmp_path, "optimizer.lr=0.05,0.1", "trainer.dry_run=true")
     assert proc.returncode == 0, output(proc)
@@ -377,6 +405,102 @@ def test_optuna_preset_searches_lr_and_weight_decay(tmp_path):
     assert len(table) == 2 and all(r["optimizer.lr"] and r["optimizer.weight_decay"] for r in table)
     best = re.search(r"Best value: (\S+)", output(proc))
     assert best and float(best.group(1)) == pytest.approx(max(float(r["val/acc"]) for r in table), abs=1e-4)
+
+
+class BestAccTask(ClassificationTask):
+    """Logs a metric of its own through `self.log`, as a ported LightningModule does: the running maximum of its
+    validation batches' accuracy, `val/acc_best`."""
+
+    best = 0.0
+
+    def validation_step(self, batch: Any) -> StepOutput:
+        out = super().validation_step(batch)
+        self.best = max(self.best, float(out.metrics["acc"]))
+        self.log("val/acc_best", self.best)
+        return out
+
+
+METRIC_GROUPS = ("val", "best", "test", "train")
+
+
+def metric_order(metrics: set[str], objective: str) -> list[str]:
+    """The objective first, then val/*, best/*, test/*, train/*, then any other, by name within each."""
+    def group(name: str) -> int:
+        prefix = name.split("/", 1)[0]
+        return METRIC_GROUPS.index(prefix) if "/" in name and prefix in METRIC_GROUPS else len(METRIC_GROUPS)
+    return [objective, *sorted(metrics - {objective}, key=lambda m: (group(m), m))]
+
+
+def printed_table(proc: subprocess.CompletedProcess, jobs: int) -> list[dict[str, str]]:
+    """The sweep's console table, each cell cut at its column's header (cells may be empty)."""
+    lines = proc.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Sweep summary (")) + 1
+    header, body = lines[start], lines[start + 1:start + 1 + jobs]
+    starts = [m.start() for m in re.finditer(r"\S+", header)]
+    spans = list(zip(starts, starts[1:] + [None]))
+    return [{header[a:b].strip(): line[a:b].strip() for a, b in spans} for line in body]
+
+
+def check_against_jobs(proc: subprocess.CompletedProcess, sweep_dir: Path, swept: dict[str, Any],
+                       objective: str) -> None:
+    """summary.csv and the printed table against each job's own records: every swept key (its value read from the
+    job's composed config, by `swept[key]`), every metric of any job's summary.json, each cell its job's value."""
+    from omegaconf import OmegaConf
+
+    jobs = {j.name: (json.loads((j / "summary.json").read_text()), OmegaConf.load(j / ".hydra" / "config.yaml"))
+            for j in job_dirs(sweep_dir)}
+    metrics = metric_order(set().union(*({k for k in s if "/" in k} for s, _ in jobs.values())), objective)
+    assert "val/acc_best" in metrics and "best/val/acc" in metrics and "train/loss_epoch" in metrics
+
+    def check_row(row: dict[str, str], columns: list[str], number) -> None:
+        summary, cfg = jobs[row["job"]]
+        for key, read in swept.items():
+            assert read(row[key]) == OmegaConf.select(cfg, key), (key, row)
+        for name in columns:
+            assert row[name] == (number(summary[name]) if name in summary else ""), (name, row)
+
+    with open(sweep_dir / "summary.csv") as f:
+        header = next(csv.reader(f))
+    assert set(header[1:1 + len(swept)]) == set(swept)
+    assert header == ["job", *header[1:1 + len(swept)], *metrics, "status", "seconds", "error"]
+    for row in rows(sweep_dir):
+        check_row(row, metrics, repr)  # the exact value: csv writes a float's repr
+
+    table = printed_table(proc, len(jobs))
+    shown = [m for m in metrics if m == objective or m.split("/", 1)[0] in ("val", "best", "test")]
+    assert list(table[0]) == ["job", *header[1:1 + len(swept)], *shown, "status", "seconds"], proc.stdout
+    assert sorted(r["job"] for r in table) == sorted(jobs)
+    for row in table:
+        assert row[objective], proc.stdout
+        check_row(row, shown, lambda value: f"{value:.4f}")
+    values = [float(r[objective]) for r in table]
+    assert values == sorted(values, reverse=True)  # best job first
+
+
+def test_a_grid_over_batch_size_and_lr_shows_every_swept_key_and_every_logged_metric(tmp_path):
+    """The table and summary.csv showed a fixed list of metrics: what a task logged itself (val/acc_best) and
+    train/loss_epoch were in no column, and the printed table left out best/*."""
+    proc, sweep_dir = sweep(tmp_path, "data.batch_size=32,64", "optimizer.lr=0.05,0.1",
+                            "task._target_=test_sweep.BestAccTask", "trainer.limit_train_batches=2",
+                            env={"PYTHONPATH": str(Path(__file__).parent)})
+    assert proc.returncode == 0, output(proc)
+    assert len(job_dirs(sweep_dir)) == 4
+    check_against_jobs(proc, sweep_dir, {"data.batch_size": int, "optimizer.lr": float}, "val/acc")
+
+
+def test_an_optuna_sweep_shows_its_objective_when_a_task_logs_it_and_a_swept_key_drawn_alike(tmp_path):
+    """checkpoint.monitor=val/acc_best (logged by the task): the table ranked by an empty column and summary.csv had
+    none. data.batch_size=32,64, swept, drew 64 in both trials of this seed (Optuna 2.10): its column was dropped,
+    as the table showed only keys whose values differed between the jobs."""
+    proc, sweep_dir = sweep(tmp_path, "experiment=optuna_lr_wd", "hydra.sweeper.n_trials=2",
+                            "hydra.sweeper.sampler.seed=1", "data.batch_size=32,64",
+                            "task._target_=test_sweep.BestAccTask", "trainer.limit_train_batches=2",
+                            "checkpoint.monitor=val/acc_best", "checkpoint.mode=max",
+                            env={"PYTHONPATH": str(Path(__file__).parent)})
+    assert proc.returncode == 0, output(proc)
+    assert len(job_dirs(sweep_dir)) == 2
+    check_against_jobs(proc, sweep_dir, {"optimizer.lr": float, "optimizer.weight_decay": float,
+                                         "data.batch_size": int}, "val/acc_best")
 
 
 @pytest.mark.parametrize("overrides", [("hydra/sweeper=optuna", "optimizer.lr=interval(0.01,0.1)"),
