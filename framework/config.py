@@ -288,6 +288,7 @@ def validate(cfg: DictConfig) -> None:
              "a number of seconds > 0")
     _check_callbacks(cfg.get("callbacks", DictConfig({})))
     _check_checkpoint(cfg.checkpoint, cfg.data)
+    _check_test_ckpt(cfg.trainer.test_ckpt, cfg.checkpoint, cfg.data)
     _check_parallel(cfg.parallel, cfg.trainer.device, cfg.trainer, cfg.precision)
     low, high = SEED_RANGE
     _require(_is_int(cfg.seed) and low <= cfg.seed <= high, "seed", cfg.seed, f"a whole number in {low}..{high}")
@@ -300,6 +301,14 @@ def _check_trainer(t: DictConfig) -> None:
     _require(t.max_steps == -1 or t.max_steps >= 1, "trainer.max_steps", t.max_steps, "-1 (no limit) or >= 1")
     _require(t.max_epochs >= 1 or (t.max_steps >= 1 and t.max_epochs >= -1), "trainer.max_epochs", t.max_epochs,
              ">= 1 (or -1 or 0 with trainer.max_steps >= 1, which then alone decides the length)")
+    _check_int("trainer.min_epochs", t.min_epochs, 0)
+    _check_int("trainer.min_steps", t.min_steps, 0)
+    if t.max_steps >= 1:  # the run ends at max_steps, before a longer minimum could be reached
+        _require(t.min_steps <= t.max_steps, "trainer.min_steps", t.min_steps,
+                 f"<= trainer.max_steps ({t.max_steps}), which ends the run first")
+    else:
+        _require(t.min_epochs <= t.max_epochs, "trainer.min_epochs", t.min_epochs,
+                 f"<= trainer.max_epochs ({t.max_epochs}), which ends the run first")
     _require(t.val_every_n_epochs >= 1, "trainer.val_every_n_epochs", t.val_every_n_epochs, ">= 1")
     _require(t.val_every_n_steps >= 0, "trainer.val_every_n_steps", t.val_every_n_steps,
              ">= 0 (0: validate by epoch only)")
@@ -312,8 +321,41 @@ def _check_trainer(t: DictConfig) -> None:
     _check_positive("trainer.grad_clip_value", t.grad_clip_value)
     for key in ("limit_train_batches", "limit_val_batches", "limit_test_batches"):
         _check_limit(f"trainer.{key}", t[key])
+    _check_overfit(t)
     _require(t.device == "auto" or DEVICE.fullmatch(t.device) is not None, "trainer.device", t.device,
              "'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
+
+
+def _check_overfit(t: DictConfig) -> None:
+    """Lightning's overfit_batches, except that it does not silently override limit_train/val_batches: it
+    chooses both, so a limit set beside it is a contradiction (limit_test_batches still applies)."""
+    n = t.overfit_batches
+    _require(0.0 <= n <= 1.0 if isinstance(n, float) else n >= 0, "trainer.overfit_batches", n,
+             "0 (off), a whole number of batches >= 1 or a fraction in (0, 1]")
+    if n == 0:
+        return
+    for key in ("limit_train_batches", "limit_val_batches"):
+        limit = t[key]
+        _require(isinstance(limit, float) and limit == 1.0, f"trainer.{key}", limit,
+                 f"1.0 with trainer.overfit_batches={n} (which picks the train and validation batches itself), "
+                 "or trainer.overfit_batches=0")
+
+
+TEST_CKPTS = ("best", "last", None)
+
+
+def _check_test_ckpt(test_ckpt: Optional[str], ck: DictConfig, data: Any) -> None:
+    """`best` needs a best checkpoint: a validation split to rank by and a top-k checkpoint that keeps it."""
+    _require(test_ckpt in TEST_CKPTS, "trainer.test_ckpt", test_ckpt,
+             "best, last or null (best when a top-k checkpoint is kept, else the final weights)")
+    if test_ckpt != "best":
+        return
+    _require(not isinstance(data, DictConfig) or data.get("val") is not None, "trainer.test_ckpt", test_ckpt,
+             "last with data.val=null (nothing is validated, so no checkpoint is best), or a data.val split")
+    # With save_top_k >= 1 (or -1), _check_checkpoint made sure a monitor ranks them.
+    _require(ck.save_top_k != 0, "trainer.test_ckpt", test_ckpt,
+             f"a best checkpoint to test, which checkpoint.save_top_k=0 never keeps: set checkpoint.monitor="
+             f"{ck.monitor or 'val/acc'} checkpoint.save_top_k=1, or trainer.test_ckpt=last")
 
 
 def parse_duration(value: Any) -> Optional[float]:
