@@ -38,7 +38,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from framework import __version__, app, config, faststart, launch, resume, signals, sweep
-from framework.config import CLOSED_GROUPS, suggest_key
+from framework.config import CLOSED_GROUPS, key_hint
 from framework.errors import FORCED_FULL_ERROR, full_error
 
 _FRAMEWORK_DIR = str(Path(__file__).resolve().parent) + os.sep
@@ -318,13 +318,13 @@ def _unknown_key(err: OmegaConfBaseException, full_key: str, typed: Optional[str
     keys = sorted(str(k) for k in parent.keys() if k != "hydra") if isinstance(parent, DictConfig) else []
     top = group.split(".")[0]
     closed = top in ("", "hydra", *CLOSED_GROUPS)  # keys the framework (or Hydra) defines: `+` cannot add one
-    if closed and top != "hydra":
-        hint = suggest_key(full_key)  # knows Lightning's names: check_val_every_n_epoch -> val_every_n_epochs
+    if closed and top != "hydra":  # knows Lightning's names: check_val_every_n_epoch -> val_every_n_epochs
+        did_you_mean = key_hint(full_key, typed.partition("=")[2] if typed else None)
     else:
         close = difflib.get_close_matches(name, keys, n=1, cutoff=0.6)
         hint = (f"{group}.{close[0]}" if group else close[0]) if close else None
+        did_you_mean = f"did you mean '{hint}'? " if hint else ""
     owner = f"{group} has no key '{name}'" if group else f"no config group or key '{name}'"
-    did_you_mean = f"did you mean '{hint}'? " if hint else ""
     add = f" (or add it as a new key: +{typed})" if typed and not closed else ""
     return f"{shown}: {owner}; {did_you_mean}expected one of: {', '.join(keys)}{add}"
 
