@@ -38,10 +38,12 @@ if TYPE_CHECKING:  # the trainer imports this module, never the other way round
 log = logging.getLogger(__name__)
 
 # Every hook, in the order a run calls them. Per-step hooks are in STEP_HOOKS.
-HOOKS = ("setup", "on_fit_start", "on_train_epoch_start", "on_train_batch_end", "on_before_optimizer_step",
-         "on_before_zero_grad", "on_train_epoch_end", "on_validation_start", "on_validation_end", "on_test_start",
-         "on_test_end", "on_fit_end", "on_exception")
-STEP_HOOKS = ("on_train_batch_end", "on_before_optimizer_step", "on_before_zero_grad")
+HOOKS = ("setup", "on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_batch_start",
+         "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end",
+         "on_train_epoch_end", "on_validation_start", "on_validation_end", "on_test_start", "on_test_end",
+         "on_train_end", "on_fit_end", "on_exception")
+STEP_HOOKS = ("on_train_batch_start", "on_after_backward", "on_train_batch_end", "on_before_optimizer_step",
+              "on_before_zero_grad")
 
 
 class Callback:
@@ -53,8 +55,17 @@ class Callback:
     def on_fit_start(self, trainer: "Trainer", task: "Task") -> None:
         """Once, before the first step (after a resume's state is restored)."""
 
+    def on_train_start(self, trainer: "Trainer", task: "Task") -> None:
+        """Once, after on_fit_start, before the first (possibly resumed) training epoch."""
+
     def on_train_epoch_start(self, trainer: "Trainer", task: "Task") -> None:
         """Before each (possibly resumed) training epoch."""
+
+    def on_train_batch_start(self, trainer: "Trainer", task: "Task", batch: Any, batch_idx: int) -> None:
+        """Before each batch's training_step (each micro-batch when accumulating)."""
+
+    def on_after_backward(self, trainer: "Trainer", task: "Task") -> None:
+        """After each batch's backward, before the optimizer step (gradients still scaled under fp16)."""
 
     def on_train_batch_end(self, trainer: "Trainer", task: "Task", outputs: Any, batch: Any, batch_idx: int) -> None:
         """After each batch's backward (each micro-batch when accumulating), and after the optimizer step when
@@ -81,6 +92,9 @@ class Callback:
     def on_test_end(self, trainer: "Trainer", task: "Task", metrics: dict[str, float]) -> None:
         """After the test split is evaluated, with its metrics."""
 
+    def on_train_end(self, trainer: "Trainer", task: "Task") -> None:
+        """Once, after the last training step and the final validation, before the test."""
+
     def on_fit_end(self, trainer: "Trainer", task: "Task") -> None:
         """Once, after training, validation and test (not when the run fails or is stopped by a signal)."""
 
@@ -100,12 +114,14 @@ def _overrides(callback: Callback, hook: str) -> bool:
 
 
 class CallbackList:
-    """The run's callbacks by config name, and per hook the bound methods of those that implement it."""
+    """The run's callbacks by config name, and per hook the bound methods of those that implement it. `first`
+    (the task's own Lightning hooks, framework/task_hooks.py) runs before them and has no state."""
 
-    def __init__(self, callbacks: dict[str, Callback]) -> None:
+    def __init__(self, callbacks: dict[str, Callback], first: Optional[Callback] = None) -> None:
         self.callbacks = dict(callbacks)
+        every = ([first] if first is not None else []) + list(self.callbacks.values())
         self.hooks: dict[str, list[Callable[..., None]]] = {
-            hook: [getattr(cb, hook) for cb in self.callbacks.values() if _overrides(cb, hook)] for hook in HOOKS}
+            hook: [getattr(cb, hook) for cb in every if _overrides(cb, hook)] for hook in HOOKS}
 
     def __iter__(self) -> Iterator[tuple[str, Callback]]:
         return iter(self.callbacks.items())

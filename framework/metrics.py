@@ -38,3 +38,29 @@ class Accuracy:
 class MeanAbsoluteError:
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return (output - target).abs().mean()
+
+
+# ---------------------------------------------------------------------------------- a Metric's state, resumable
+# torchmetrics saves a Metric's states in state_dict() only when made persistent, and load_state_dict() never
+# restores how many updates it has seen (`update_count`, which compute() and forward() read). Both are read here
+# through the public `metric_state` and `update_count`; the count is written back to the one private attribute
+# torchmetrics keeps it in (1.x), checked by tests/test_task_state.py, so a change there fails loudly.
+_UPDATE_COUNT = "_update_count"
+
+
+def metric_state(metric: nn.Module) -> dict[str, Any]:
+    """A torchmetrics Metric's states (tensors, or lists of tensors for `cat` states) and update count, on the
+    CPU, as a checkpoint holds them."""
+    states = {name: ([t.detach().cpu() for t in value] if isinstance(value, list) else value.detach().cpu())
+              for name, value in metric.metric_state.items()}
+    return {"states": states, "updates": int(metric.update_count)}
+
+
+def load_metric_state(metric: nn.Module, saved: dict[str, Any], device: torch.device) -> None:
+    """Put back what `metric_state` returned."""
+    for name, value in saved["states"].items():
+        setattr(metric, name, [t.to(device) for t in value] if isinstance(value, list) else value.to(device))
+    if not hasattr(metric, _UPDATE_COUNT):
+        raise RuntimeError(f"torchmetrics {type(metric).__name__} has no {_UPDATE_COUNT}: framework.metrics was "
+                           "written for torchmetrics 1.x")
+    setattr(metric, _UPDATE_COUNT, int(saved["updates"]))

@@ -18,6 +18,7 @@ import torch
 
 from framework import reproducibility
 from framework.checkpoint import DamagedCheckpoint, validate_rng_state, validate_state
+from framework.metrics import is_stateful, load_metric_state, metric_state
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,75 @@ class RngState:
             log.warning("resume: the checkpoint has no RNG state for rank %d (it ran with %d processes); random "
                         "streams restart from rank 0's", self.strategy.rank, len(state))
         reproducibility.set_rng_state(self._own(state))
+
+
+class TaskState:
+    """The task's own state beside its model, every rank's (a metric's state holds that rank's batches): the
+    states of its torchmetrics Metrics (a best-so-far, an epoch mean), its buffers outside the model, and what its
+    `on_save_checkpoint(checkpoint)` put in the dict it is given (tensors and plain values), which
+    `on_load_checkpoint` gets back."""
+
+    def __init__(self, task: torch.nn.Module, model_attr: str, strategy: Any) -> None:
+        self.task, self.model_attr, self.strategy = task, model_attr, strategy
+
+    def _own(self, path: str) -> bool:
+        return bool(path) and path != self.model_attr and not path.startswith(self.model_attr + ".")
+
+    def metrics(self) -> dict[str, torch.nn.Module]:
+        return {path: m for path, m in self.task.named_modules() if self._own(path) and is_stateful(m)}
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        metrics = tuple(f"{path}." for path in self.metrics())
+        return {name: b for name, b in self.task.named_buffers() if self._own(name) and not name.startswith(metrics)}
+
+    def local(self) -> dict[str, Any]:
+        hook: dict[str, Any] = {}
+        if callable(getattr(self.task, "on_save_checkpoint", None)):
+            self.task.on_save_checkpoint(hook)
+        return {"metrics": {path: metric_state(m) for path, m in self.metrics().items()},
+                "buffers": {name: b.detach().cpu() for name, b in self.buffers().items()}, "hook": hook}
+
+    def state_dict(self) -> dict[str, Any]:
+        states = self.strategy.gather_objects(self.local())  # a collective: every rank saves
+        return {f"rank{rank}": state for rank, state in enumerate(states)}
+
+    def _mine(self, state: dict[str, Any]) -> Any:
+        return state.get(f"rank{self.strategy.rank}", state["rank0"])
+
+    def check_state_dict(self, saved: Any, where: str) -> None:
+        if not isinstance(saved, dict) or "rank0" not in saved:
+            raise DamagedCheckpoint(f"{where}: no rank0; expected every rank's task state")
+        mine, where = self._mine(saved), f"{where}/rank{self.strategy.rank}"
+        validate_state(mine, {"metrics": {}, "buffers": {}, "hook": {}}, where)
+        metrics, buffers = self.metrics(), self.buffers()
+        for path, value in mine["metrics"].items():
+            if path in metrics:
+                validate_state(value, metric_state(metrics[path]), f"{where}/metrics/{path}")
+        for name, value in mine["buffers"].items():
+            if name in buffers:
+                validate_state(value, buffers[name].detach().cpu(), f"{where}/buffers/{name}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self._mine(state)
+        metrics, buffers = self.metrics(), self.buffers()
+        for path, value in mine["metrics"].items():
+            if path in metrics:
+                load_metric_state(metrics[path], value, _device_of(metrics[path]))
+        for name, value in mine["buffers"].items():
+            if name in buffers:
+                with torch.no_grad():
+                    buffers[name].copy_(value)
+        missing = [p for p in [*metrics, *buffers] if p not in mine["metrics"] and p not in mine["buffers"]]
+        if missing:
+            log.info("resume: the task's %s not in the checkpoint: they start fresh", ", ".join(missing))
+        if callable(getattr(self.task, "on_load_checkpoint", None)):
+            self.task.on_load_checkpoint(dict(mine["hook"]))
+
+
+def _device_of(metric: torch.nn.Module) -> torch.device:
+    """Where a metric's states live (its `device`, torchmetrics keeps it), else the CPU."""
+    device = getattr(metric, "device", None)
+    return device if isinstance(device, torch.device) else torch.device("cpu")
 
 
 @dataclass

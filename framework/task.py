@@ -1,19 +1,27 @@
 """The Lightning-style Task: it holds the model and says what one training, validation or test step computes.
 
-A step returns a `StepOutput`: the loss (for backward) and a dict of metric tensors, averaged over the batch.
-The trainer prefixes metric names with the stage (`train/`, `val/`, `test/`) and averages them over the
-epoch weighted by batch size. Metrics that a batch average gets wrong (macro-F1, AUROC) are stateful
-(torchmetrics): updated per batch and returned by `epoch_metrics` at the end of the evaluation. Subclass
-`Task` (or `ClassificationTask`) in `experiments/` to go further.
+A port of a LightningModule changes its imports and base class: steps take `(batch)` or `(batch, batch_idx)`,
+whichever they declare; `training_step` returns a `StepOutput`, a loss tensor or a dict with `"loss"`; a
+validation or test step may return nothing and log with `self.log` instead. `self.log` takes a tensor, a number or
+a torchmetrics `Metric` with Lightning's keyword arguments. Lightning's hooks (`on_train_start`,
+`on_validation_epoch_end`, `on_save_checkpoint`, ...) are called where Lightning calls them (framework/
+task_hooks.py); the ones whose job a config group does here (`configure_optimizers`, ...) are refused at start
+with what replaces them.
 
-`check_batch` runs a step once on the first batch of each split before training, so that data of the wrong
-kind, a model that does not fit it or a loss that does not fit the model is one line naming `data`, `model`
-or `task` with the shapes seen, not a traceback from inside the first step; the steps themselves trust their
+A step's loss and `StepOutput.metrics` are averaged over the epoch by the trainer, weighted by batch size, and
+named `<stage>/<name>`. Metrics that a batch average gets wrong (macro-F1, AUROC) are stateful (torchmetrics):
+updated per batch and returned by `epoch_metrics` at the end of the evaluation, or logged as Metric objects.
+
+`check_batch` runs a step once on the first batch of each split before training, on a throw-away copy of the
+task that shares its model, so that data of the wrong kind, a model that does not fit it or a loss that does not
+fit the model is one line naming `data`, `model` or `task` with the shapes seen, not a traceback from inside the
+first step, and the task's own state (metrics, buffers) never sees the check; the steps themselves trust their
 inputs.
 """
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -27,6 +35,8 @@ from framework.metrics import Accuracy, is_stateful
 # A batch metric `(output, target) -> scalar tensor`, or a stateful torchmetrics.Metric (an nn.Module).
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+REDUCE_FX = ("mean", "sum", "max", "min")
+
 
 @dataclass
 class StepOutput:
@@ -34,28 +44,85 @@ class StepOutput:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+class AttributeDict(dict):
+    """Lightning's `self.hparams`: a dict whose keys read as attributes."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self[key] = value
+
+
 class Task(nn.Module):
-    """Holds `self.model`; the parallel strategy may replace it by a wrapper (DDP) for training only."""
+    """Holds the model: `self.model` (given to the constructor), or, in a port of a LightningModule, the one
+    attribute the built `model` group was given to (`self.net`). The parallel strategy may replace it by a
+    wrapper (DDP) for training only."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: Optional[nn.Module] = None) -> None:
         super().__init__()
-        self.model = model
+        if model is not None:
+            self.model = model
         self.trainer: Any = None  # the Trainer running this task (set by it); None outside a run
+        self.hparams = AttributeDict()
 
-    def log(self, name: str, value: Any, *, on_step: Optional[bool] = None, on_epoch: Optional[bool] = None,
-            prog_bar: bool = False) -> None:
-        """Lightning's `self.log`, from a step or a hook: a scalar (a tensor stays on the device; no sync per
-        step). `name` is logged as given (say `train/foo`). Defaults as in Lightning: in training, every
-        logging step (`on_step`) and not as an epoch mean; in validation and test, the epoch mean only.
-        `prog_bar`: also shown in the progress bar. Outside a run it does nothing."""
+    def save_hyperparameters(self, *names: str, ignore: Sequence[str] | str = (), logger: bool = True) -> None:
+        """Lightning's: the calling constructor's arguments (or those named) in `self.hparams`. The run's
+        config is what is logged and saved here, so `logger` changes nothing."""
+        frame = inspect.currentframe()
+        caller = frame.f_back if frame is not None else None
+        if caller is None:
+            return
+        info = inspect.getargvalues(caller)
+        ignored = {ignore} if isinstance(ignore, str) else set(ignore)
+        wanted = set(names) or set(info.args[1:]) | ({info.keywords} if info.keywords else set())
+        for name in info.args[1:]:
+            if name in wanted and name not in ignored:
+                self.hparams[name] = info.locals[name]
+        if info.keywords and info.keywords in wanted:
+            self.hparams.update({k: v for k, v in info.locals[info.keywords].items() if k not in ignored})
+
+    def log(self, name: str, value: Any, prog_bar: bool = False, logger: Optional[bool] = None,
+            on_step: Optional[bool] = None, on_epoch: Optional[bool] = None, reduce_fx: Any = "mean",
+            enable_graph: bool = False, sync_dist: bool = False, sync_dist_group: Any = None,
+            add_dataloader_idx: bool = True, batch_size: Optional[int] = None, metric_attribute: Optional[str] = None,
+            rank_zero_only: bool = False) -> None:
+        """Lightning's `self.log`, from a step or a hook: a tensor (kept on the device: no sync per step), a
+        number, or a torchmetrics `Metric` (computed, over every rank, and reset at the epoch's or the
+        evaluation's end; at a training logging step, its value over the epoch so far). `name` is logged as given
+        (say `train/foo`); during a test, a `val/` name becomes `test/`. Defaults as in Lightning: in a training
+        step, every logging step (`on_step`) and not as an epoch mean; in training epoch hooks and in validation and
+        test, the epoch's mean, weighted by `batch_size` (by default the batch's). `reduce_fx`: mean, sum, max or
+        min over the epoch. `logger=False`: not written to TensorBoard, but in the summary, the progress bar and
+        what callbacks and monitors see. Evaluation values are always reduced over every rank (`sync_dist` is
+        what happens anyway); `sync_dist_group`, `rank_zero_only`, `enable_graph`, `add_dataloader_idx` and
+        `metric_attribute` change nothing here (see docs/coming_from_lightning.md). Outside a run it does
+        nothing."""
         if self.trainer is not None:
-            self.trainer.log_from_task(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar)
+            self.trainer.log_from_task(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
+                                       logger=logger is not False, reduce_fx=reduce_fx, batch_size=batch_size)
+
+    def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:
+        """Lightning's `self.log_dict`: `self.log` of each item, with the same keyword arguments."""
+        for name, value in dictionary.items():
+            self.log(name, value, **kwargs)
 
     @property
     def logger(self) -> Any:
         """The run's TensorBoard logger (`self.logger.experiment` is the SummaryWriter, for images, histograms
         and text; None on ranks other than 0 and when TensorBoard is off), or None outside a run."""
         return self.trainer.logger if self.trainer is not None else None
+
+    @property
+    def global_step(self) -> int:
+        return self.trainer.global_step if self.trainer is not None else 0
+
+    @property
+    def current_epoch(self) -> int:
+        return self.trainer.current_epoch if self.trainer is not None else 0
 
     def epoch_metrics(self, split: str) -> dict[str, torch.Tensor]:
         """Stateful metrics (e.g. torchmetrics) of the evaluation of `split` ("val" or "test") that just ended,
@@ -64,45 +131,116 @@ class Task(nn.Module):
         return {}
 
     def on_validation_epoch_end(self) -> None:
-        """After each validation, on every rank (log images or histograms here through self.logger)."""
+        """After each validation's last batch, on every rank (log images or histograms here through
+        self.logger, or a best-so-far with self.log)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)
 
-    def training_step(self, batch: Any) -> StepOutput:
-        raise NotImplementedError(f"{type(self).__name__} must implement training_step(batch)")
+    def training_step(self, batch: Any, batch_idx: int = 0) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must implement training_step(batch[, batch_idx])")
 
-    def validation_step(self, batch: Any) -> StepOutput:
-        return self.training_step(batch)
+    def validation_step(self, batch: Any, batch_idx: int = 0) -> Any:
+        return step_function(self, "training_step")(batch, batch_idx)
 
-    def test_step(self, batch: Any) -> StepOutput:
-        return self.validation_step(batch)
+    def test_step(self, batch: Any, batch_idx: int = 0) -> Any:
+        return step_function(self, "validation_step")(batch, batch_idx)
 
     def batch_size(self, batch: Any) -> int:
         """Samples in a batch, used to weight epoch averages; the first tensor's length by default."""
         first = batch[0] if isinstance(batch, (tuple, list)) else batch
-        return len(first)
+        if isinstance(first, Mapping):
+            first = next(iter(first.values()), None)
+        return len(first) if hasattr(first, "__len__") else 1
 
     def check_batch(self, batch: Any, split: str, *, input_shape: Optional[Sequence[int]] = None,
-                    num_classes: Optional[int] = None) -> StepOutput:
-        """Run `validation_step` on the first batch of `split` (the trainer calls this once per split, in eval
-        mode under no_grad; never `training_step`, which may have effects of its own) and report what fails
-        as the task's. `input_shape` and `num_classes` are what `data` declares. Returns the step's output,
-        whose metric names the trainer checks the monitors against."""
-        name = f"{type(self).__name__}.validation_step"
+                    num_classes: Optional[int] = None) -> Optional[StepOutput]:
+        """Run the step of `split` on its first batch (`training_step` for "train", `validation_step` for the
+        others; the trainer calls this on a throw-away copy of the task, in eval mode under no_grad) and report
+        what fails as the task's. `input_shape` and `num_classes` are what `data` declares. Returns the step's
+        output (None when a validation step returns nothing), whose metric names the trainer checks the monitors
+        against."""
+        method = "training_step" if split == "train" else "validation_step"
+        name = f"{type(self).__name__}.{method}"
         try:
-            out = self.validation_step(batch)
+            out = step_function(self, method)(batch, 0)
         except UserError:
             raise
         except Exception as err:
             raise ConfigError(f"task: {name} on the first {split} batch ({describe(batch)}) raised "
                               f"{error_line(err)}; expected a batch it takes {FULL_ERROR_HINT}") from err
-        if not isinstance(out, StepOutput) or not isinstance(out.loss, torch.Tensor):
-            raise ConfigError(f"task: {name} returned {describe(out)}; expected a StepOutput(loss, metrics)")
-        if out.loss.numel() != 1 or not out.loss.is_floating_point():
-            raise ConfigError(f"task: {name} gave a loss of {describe(out.loss)}; expected one floating-point "
-                              "number, the loss reduced over the batch")
-        return out
+        return as_step_output(out, name, training=split == "train")
+
+
+def _accepts_batch_idx(fn: Callable[..., Any], where: str) -> bool:
+    """Whether a step takes `(batch, batch_idx)` (Lightning's) or `(batch)`; anything else is refused."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return True
+    positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                   inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is inspect.Parameter.empty]
+    if not positional or len(required) > 2:
+        shown = ", ".join(p.name for p in params)
+        raise ConfigError(f"task: {where}({shown}): expected {where.rsplit('.', 1)[-1]}(self, batch) or "
+                          f"{where.rsplit('.', 1)[-1]}(self, batch, batch_idx)")
+    return len(positional) >= 2
+
+
+def step_function(task: nn.Module, method: str) -> Callable[[Any, int], Any]:
+    """`task.<method>` as a callable of `(batch, batch_idx)`, whichever of the two the method declares."""
+    fn = getattr(task, method)
+    if _accepts_batch_idx(fn, f"{type(task).__name__}.{method}"):
+        return fn
+    return lambda batch, _batch_idx: fn(batch)
+
+
+def as_step_output(out: Any, where: str, *, training: bool) -> Optional[StepOutput]:
+    """A step's return as a StepOutput: a StepOutput, a loss tensor, or a dict with "loss" (Lightning's; its other
+    keys go to no metric); in evaluation, also None (the step logged what it computes). Anything else, or a loss
+    that is not one floating-point number, is a ConfigError naming the step."""
+    if isinstance(out, StepOutput):
+        result: Optional[StepOutput] = out
+    elif isinstance(out, torch.Tensor):
+        result = StepOutput(out)
+    elif isinstance(out, Mapping) and "loss" in out:
+        result = StepOutput(out["loss"])
+    elif out is None or isinstance(out, Mapping):
+        result = None
+    else:
+        result = StepOutput(out)  # type: ignore[arg-type]  (refused below)
+    if result is None:
+        if training:
+            raise ConfigError(f"task: {where} returned {describe(out)}; expected the loss: a tensor, a dict with "
+                              "'loss', or a StepOutput(loss, metrics)")
+        return None
+    loss = result.loss
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(f"task: {where} returned {describe(out)}; expected the loss: a tensor, a dict with 'loss', "
+                          "or a StepOutput(loss, metrics)")
+    if loss.numel() != 1 or not loss.is_floating_point():
+        raise ConfigError(f"task: {where} gave a loss of {describe(loss)}; expected one floating-point "
+                          "number, the loss reduced over the batch")
+    return result
+
+
+def throwaway_copy(task: Task, model: nn.Module, handle: Any) -> Task:
+    """A copy of `task` whose steps leave no trace in it: its own metrics, buffers and attributes, but the same
+    `model` (`model` is the task's model attribute's value in the copy) and parameters (a check runs under
+    no_grad in eval mode: neither changes), and `handle` for `task.trainer`. A task that cannot be copied
+    (it holds a lock or an open file) is returned itself, with its `trainer` swapped for the handle by the
+    caller."""
+    memo: dict[int, Any] = {id(model): model}
+    if task.trainer is not None:
+        memo[id(task.trainer)] = handle
+    for param in task.parameters():
+        memo[id(param)] = param
+    shadow = copy.deepcopy(task, memo)
+    shadow.trainer = handle
+    return shadow
 
 
 class ClassificationTask(Task):
@@ -161,7 +299,7 @@ class ClassificationTask(Task):
         return values
 
     def check_batch(self, batch: Any, split: str, *, input_shape: Optional[Sequence[int]] = None,
-                    num_classes: Optional[int] = None) -> StepOutput:
+                    num_classes: Optional[int] = None) -> Optional[StepOutput]:
         """Batch, model output, loss and metrics in turn, each failure named by the key to change."""
         data = f"data.{split}"
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
@@ -223,11 +361,7 @@ class ClassificationTask(Task):
                 raise ConfigError(f"task.metrics.{name}: {_name(metric)} on the model's output of "
                                   f"{describe(output)} and labels of {describe(target)} raised "
                                   f"{error_line(err)}; expected a metric that takes them {FULL_ERROR_HINT}") from err
-        out = super().check_batch(batch, split)
-        if split != "val":  # the trainer resets after the val check (epoch_metrics); no other check leaves state
-            for metric in self.stateful_metrics["val"].values():
-                metric.reset()
-        return out
+        return super().check_batch(batch, split)
 
     def _forward_failed(self, inputs: torch.Tensor, split: str, err: Exception) -> ConfigError:
         """Inputs of another dtype than the weights are the data's fault; anything else, with inputs of the

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import itertools
 import logging
 import math
@@ -24,13 +25,13 @@ from omegaconf import DictConfig, OmegaConf
 
 import framework
 
-from framework import allocator, reproducibility
+from framework import allocator, reproducibility, task_hooks
 from framework.callbacks import Callback, CallbackList, Timer
 from framework.checkpoint import (Checkpoint, CheckpointManager, CheckpointSaveError, DamagedCheckpoint,
                                   check_compatible, load_weights, open_checkpoint, validate_state)
 from framework.data import DataModule
 from framework.errors import ConfigError, Interrupted, UserError
-from framework.instantiate import build
+from framework.instantiate import build, locate
 from framework.loggers import TensorBoardLogger, print_summary, write_json
 from framework.model_summary import summarize
 from framework.optim import (apply_changed_options, build_optimizer, build_scheduler, changed_options,
@@ -39,8 +40,9 @@ from framework.parallel import build_strategy
 from framework.precision import Precision
 from framework.progress import ProgressBar, file_only
 from framework.signals import SignalWatch, watched
-from framework.state import Progress, RngState, TrainingState
-from framework.task import Task
+from framework.state import Progress, RngState, TaskState, TrainingState
+from framework.task import StepOutput, Task, as_step_output, step_function, throwaway_copy
+from framework.task_log import EvalLog, TrainLog, as_tensor, check_reduce_fx, metric_path, stage_name
 from framework.tensorboard_layout import layout
 
 log = logging.getLogger(__name__)
@@ -134,45 +136,12 @@ def _limit(limit: Union[int, float], available: int) -> int:
     return min(limit, available)
 
 
-class TrainLog:
-    """What training logs, kept on the device between logging steps (no host sync per step):
-    - `losses`: the per-batch losses since the last logging step (appending costs no kernel launch), the step
-      that window started after, and how many of them an epoch's end already counted;
-    - `epoch_sums`/`epoch_counts`: running sums of the values logged as epoch means (`train/loss` among them).
-    All of it is saved, so a resumed run logs the same curves as one never interrupted."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.losses: list[torch.Tensor] = []
-        self.first_step = 0
-        self.counted = 0  # leading entries of `losses` already in this epoch's (or the last epoch's) loss sum
-        self.epoch_sums: dict[str, torch.Tensor] = {}
-        self.epoch_counts: dict[str, int] = {}
-
-    def tensor(self) -> torch.Tensor:
-        if not self.losses:
-            return torch.zeros(0, device=self.device)
-        return torch.stack([loss.reshape(()) for loss in self.losses]).float()  # a loss of shape [1] too
-
-    def add(self, name: str, total: torch.Tensor, count: int) -> None:
-        self.epoch_sums[name] = self.epoch_sums[name] + total if name in self.epoch_sums else total
-        self.epoch_counts[name] = self.epoch_counts.get(name, 0) + count
-
-    def count_losses(self, losses: torch.Tensor) -> None:
-        """Add the window's losses not yet counted to the epoch's `train/loss` sum."""
-        if len(losses) > self.counted:
-            self.add("train/loss", losses[self.counted:].sum(), len(losses) - self.counted)
-        self.counted = len(losses)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"first_step": self.first_step, "losses": self.tensor(), "counted": self.counted,
-                "epoch_sums": dict(self.epoch_sums), "epoch_counts": dict(self.epoch_counts)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.first_step, self.counted = state["first_step"], state["counted"]
-        self.losses[:] = list(state["losses"].to(self.device).unbind())  # in place: the loop holds this list
-        self.epoch_sums = {k: v.to(self.device) for k, v in state["epoch_sums"].items()}
-        self.epoch_counts = dict(state["epoch_counts"])
+def _check_train_log(saved: Any, where: str) -> None:
+    """The loss window and epoch sums; checkpoints written before `epoch_fx`/`epoch_metrics` existed lack them."""
+    live = TrainLog(torch.device("cpu")).state_dict()
+    if isinstance(saved, dict):
+        saved = {**{k: v for k, v in live.items() if k not in saved}, **saved}
+    validate_state(saved, {**live, "epoch_sums": {}, "epoch_counts": {}}, where)
 
 
 def build_callbacks(cfg: DictConfig) -> dict[str, Callback]:
@@ -189,6 +158,52 @@ def build_callbacks(cfg: DictConfig) -> dict[str, Callback]:
     if cfg.trainer.max_time is not None and not any(isinstance(c, Timer) for c in callbacks.values()):
         callbacks["timer"] = Timer(cfg.trainer.max_time)
     return callbacks
+
+
+class _CheckHandle:
+    """What a task's `trainer` is while its first batches are checked: its logs are names only, kept to check the
+    monitors against; it has no logger."""
+
+    logger = None
+    global_step = 0
+    current_epoch = 0
+
+    def __init__(self, trainer: "Trainer") -> None:
+        self.stage, self.names, self.is_global_zero = "train", [], trainer.strategy.is_rank_zero
+
+    def log_from_task(self, name: str, value: Any, **_options: Any) -> None:
+        as_tensor(name, value)  # a value of the wrong kind is refused here, before training
+        if self.stage == "val":
+            self.names.append(name)
+
+
+def build_task(cfg: DictConfig) -> tuple[Task, str]:
+    """The task, given the built `model` group as its constructor's `model` (or, in a port of a LightningModule,
+    `net`: lightning-hydra-template's name), and the name of the attribute that holds it. A task whose config
+    builds its model itself (`task.net: ${model}`, or a constructor that makes one) holds it in its one
+    submodule with parameters."""
+    target = locate(cfg.task.get("_target_"), "task")
+    params = dict(inspect.signature(target).parameters) if inspect.isclass(target) else {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        params.setdefault("model", None)  # (*args, **kwargs): passed on to Task's own `model`
+    given = next((name for name in ("model", "net") if name in params and name not in cfg.task), None)
+    if given is not None:
+        model = build(cfg.model, "model")
+        task = build(cfg.task, "task", partial=True, provided=(given,))(**{given: model})
+    else:
+        task, model = build(cfg.task, "task"), None
+    if not isinstance(task, Task):
+        raise ConfigError(f"task._target_={cfg.task._target_!r}: expected a framework.task.Task subclass")
+    holders = [name for name, child in task.named_children() if child is model] if model is not None else []
+    if not holders:
+        holders = [name for name, child in task.named_children() if any(True for _ in child.parameters())]
+    if len(holders) != 1:
+        found = f"its submodules with parameters are {', '.join(holders)}" if holders else "it has no submodule " \
+            "with parameters"
+        raise ConfigError(f"task._target_={cfg.task._target_!r}: cannot tell which attribute holds the model ({found}); "
+                          "expected the constructor to take the model as `model` (given the model group) and keep "
+                          "it as an attribute, or one submodule with parameters")
+    return task, holders[0]
 
 
 class Trainer:
@@ -223,11 +238,12 @@ class Trainer:
                               f"(or subclass), got {type(self.data).__name__}")
         self.data.setup(seed=cfg.seed, rank=self.strategy.rank, world_size=self.strategy.world_size)
 
-        model = build(cfg.model, "model")
-        self.task: Task = build(cfg.task, "task", partial=True, provided=("model",))(model=model)
-        if not isinstance(self.task, Task):
-            raise ConfigError(f"task._target_={cfg.task._target_!r}: expected a framework.task.Task subclass")
+        self.task, self.model_attr = build_task(cfg)
+        model = self.task.get_submodule(self.model_attr)
         self.task.trainer = self  # for the task's log() and logger
+        task_hooks.refuse_replaced(self.task)
+        self.step_fns = {method: step_function(self.task, method)
+                         for method in ("training_step", "validation_step", "test_step")}
         if self.strategy.sharded:  # FSDP moves each rank's shards of the model to the device in wrap (below): a
             for child in self.task.children():  # model larger than one device is never whole on one
                 if child is not model:
@@ -236,17 +252,20 @@ class Trainer:
             self.task.to(self.device)
         if cfg.get("init_from"):
             weights = load_weights(Path(cfg.init_from))
-            check_compatible(self.task.model, weights, f"init_from={cfg.init_from!r}", cfg.init_strict)
-            self.task.model.load_state_dict(weights, strict=cfg.init_strict)
+            check_compatible(model, weights, f"init_from={cfg.init_from!r}", cfg.init_strict)
+            model.load_state_dict(weights, strict=cfg.init_strict)
         self.precision = Precision(cfg.precision.mode.value, self.device)
         if t.compile:
-            self.task.model = torch.compile(self.task.model)
+            self.model = torch.compile(self.model)
         # Wrapped before the optimizer is built: FSDP replaces the parameters by their shards (DTensors), which
         # the optimizer must hold (DDP and DataParallel keep the same ones).
-        self.task.model = self.strategy.wrap(self.task.model, param_dtype=self.precision.dtype)
+        self.model = self.strategy.wrap(self.model, param_dtype=self.precision.dtype)
         self.optimizer, self.frozen = build_optimizer(cfg.optimizer, self.module)
         self.param_group_names = group_names(self.optimizer)
-        self.train_batches = _limit(1 if self.fast_dev_run else t.limit_train_batches, self.data.num_batches("train"))
+        # overfit_batches: the same first batches of epoch 0's order every epoch, validated on too (Lightning's).
+        self.overfit = _limit(t.overfit_batches, self.data.num_batches("train")) if t.overfit_batches else 0
+        train_limit = 1 if self.fast_dev_run else (self.overfit or t.limit_train_batches)
+        self.train_batches = _limit(train_limit, self.data.num_batches("train"))
         if self.train_batches == 0:
             raise ConfigError("data.train: the training set gives no batch (is it empty, or smaller than "
                               "data.batch_size with data.drop_last=true?)")
@@ -262,7 +281,7 @@ class Trainer:
             every_n_epochs=ck.every_n_epochs, keep_last=ck.keep_last, monitor=ck.monitor, mode=ck.mode.value,
             save_top_k=ck.save_top_k, enabled=rank_zero and not self.fast_dev_run, fsync=ck.fsync,
             async_save=ck.async_save, shards=self.strategy if self.strategy.sharded and not self.fast_dev_run else None)
-        self.callbacks = CallbackList(build_callbacks(cfg))
+        self.callbacks = CallbackList(build_callbacks(cfg), first=task_hooks.task_callback(self.task))
         self._check_monitors_exist()
         self.on_signal = ck.on_signal and not self.fast_dev_run
         self.resume_from = resume_from
@@ -276,10 +295,19 @@ class Trainer:
         self.stop_reason = ""  # why a callback stopped the run; not saved: on resume, callbacks decide again
         self.metrics: dict[str, float] = {}  # latest value of every metric, for the summary and the callbacks
         self.window = TrainLog(self.device)
-        self._logged: dict[str, Any] = {}  # values given to log(), written at the next logging step
+        self._logged: dict[str, Any] = {}  # values given to Trainer.log(), written at the next logging step
+        self._task_train_names: set[str] = set()  # what the task logs in training (its train/loss replaces ours)
+        self._task_step: dict[str, Any] = {}  # the task's on_step values (or Metrics) for the next logging step
         self._stage = "train"  # what log_from_task is called during: train, val or test
-        self._eval_logged: dict[str, list] = {}  # name -> [sum, count] of values a task logged in an evaluation
+        self._epoch_hook = False  # a training epoch hook is running: self.log defaults to on_epoch there
+        self._eval_log: Optional[EvalLog] = None  # what the task logs in the evaluation running now
+        self._batch_n = 1  # samples in the batch being stepped: the weight of what the task logs
         self._bar_names: set[str] = set()  # what the task asked to see in the progress bar
+        self._hidden: set[str] = set()  # what the task logged with logger=False: not written to TensorBoard
+        self._val_checked = False  # the monitors were checked against a validation round's metrics
+        self.tested = ""  # which weights fit's test used: best (step N) or last
+        self._overfit_kept: Optional[list[Any]] = None  # trainer.overfit_batches' batches, once read
+        self._saved_task_state: Any = None  # a resume's task state, loaded once the task's start hooks ran
         self._started_at = (time.perf_counter(), 0)  # (when fit started, at which step): for the ETA
         self._epoch_rate = 0.0  # samples/s of the latest epoch
         self._val_names: list[str] = []  # the validation metrics, as the first val batch showed them
@@ -300,7 +328,9 @@ class Trainer:
             self.state.register("scheduler", self.scheduler)
         self.state.register("precision", self.precision, check=self._check_precision_state)
         self.state.register("checkpoints", self.checkpoints, check=CheckpointManager.check_state_dict)
-        self.state.register("train_loss", self.window, optional=True)
+        self.state.register("train_loss", self.window, optional=True, check=_check_train_log)
+        self.task_state = TaskState(self.task, self.model_attr, self.strategy)
+        self.state.register("task", self.task_state, optional=True, check=self.task_state.check_state_dict)
         self.state.register("callbacks", self.callbacks, check=self._check_callback_state, optional=True)
         rng = RngState(self.strategy)
         self.state.register("rng", rng, check=rng.check_state_dict)  # last: loading it must follow all the rest
@@ -308,9 +338,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ what callbacks see (Lightning's names)
     @property
+    def model(self) -> torch.nn.Module:
+        """The task's model as the loop runs it (wrapped by DDP/DP/compile), held in `task.<model_attr>`."""
+        return getattr(self.task, self.model_attr)
+
+    @model.setter
+    def model(self, module: torch.nn.Module) -> None:
+        setattr(self.task, self.model_attr, module)
+
+    @property
     def module(self) -> torch.nn.Module:
         """The model itself, unwrapped from DDP/DP: what is saved, exported and averaged."""
-        return self.strategy.unwrap(self.task.model)
+        return self.strategy.unwrap(self.model)
 
     @property
     def global_step(self) -> int:
@@ -343,22 +382,38 @@ class Trainer:
         self._logged[name] = _whole(value.detach()) if isinstance(value, torch.Tensor) else value
 
     def log_from_task(self, name: str, value: Any, *, on_step: Optional[bool] = None, on_epoch: Optional[bool] = None,
-                      prog_bar: bool = False) -> None:
-        """Task.log: in training, `on_step` (default) at the next logging step, `on_epoch` as the epoch's mean
-        (`<name>_epoch` when both); in validation and test, the mean over the evaluation (every rank's)."""
-        value = _whole(value.detach()).float() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+                      prog_bar: bool = False, logger: bool = True, reduce_fx: Any = "mean",
+                      batch_size: Optional[int] = None) -> None:
+        """Task.log (framework/task_log.py says what each stage does with it)."""
+        fx = check_reduce_fx(name, reduce_fx) if reduce_fx != "mean" else "mean"
+        tensor = as_tensor(name, value)
+        if tensor is not None and tensor.device != self.device:
+            tensor = tensor.to(self.device, non_blocking=True)
+        elif tensor is not None:
+            tensor = _whole(tensor)
+        name = stage_name(name, self._stage)
         if prog_bar:
             self._bar_names.add(name)
-        if self._stage != "train":
-            entry = self._eval_logged.setdefault(name, [torch.zeros((), device=self.device), 0])
-            entry[0] = entry[0] + value.to(self.device).reshape(())
-            entry[1] += 1
+        if not logger:
+            self._hidden.add(name)
+        weight = batch_size if batch_size is not None else self._batch_n
+        if self._eval_log is not None:
+            if tensor is None:
+                self._eval_log.metrics[name] = metric_path(self.task, value, name)
+            else:
+                self._eval_log.add(name, tensor, fx, weight)
             return
-        on_step = True if on_step is None else on_step
+        self._task_train_names.add(name)
+        on_step = (not self._epoch_hook) if on_step is None else on_step
+        on_epoch = self._epoch_hook if on_epoch is None else on_epoch
         if on_step:
-            self._logged[name] = value
+            self._task_step[name] = value if tensor is None else tensor
         if on_epoch:
-            self.window.add(f"{name}_epoch" if on_step else name, value.reshape(()), 1)
+            epoch_name = f"{name}_epoch" if on_step else name
+            if tensor is None:
+                self.window.epoch_metrics[epoch_name] = metric_path(self.task, value, name)
+            else:
+                self.window.add(epoch_name, tensor, weight, fx)
 
     # ------------------------------------------------------------------ fit
     def fit(self) -> dict[str, Any]:
@@ -379,10 +434,15 @@ class Trainer:
         with watch:
             try:
                 self.callbacks.call("on_fit_start", self, self.task)
-                while not self._finished():
-                    self._train_epoch(watch)
-                    if self.progress.batch_in_epoch >= self.train_batches:  # a whole epoch, not a stop mid-epoch
-                        self._end_epoch()
+                self.callbacks.call("on_train_start", self, self.task)
+                if self._saved_task_state is not None:  # after the hooks: a reset there (as lightning-hydra-
+                    self.task_state.load_state_dict(self._saved_task_state)  # template does) keeps the resume exact
+                    self._saved_task_state = None
+                with torch.autograd.set_detect_anomaly(self.cfg.trainer.detect_anomaly):
+                    while not self._finished():
+                        self._train_epoch(watch)
+                        if self.progress.batch_in_epoch >= self.train_batches:  # a whole epoch, not a stop mid-epoch
+                            self._end_epoch()
                 watch.after_training = True
                 self._flush_train_log()
                 self.bar.close()
@@ -394,8 +454,9 @@ class Trainer:
                 if self.checkpoints.save_last and self.checkpoints.saved_step != self.progress.step:
                     self.checkpoints.save(self.state, self.progress.step, periodic=False)
                 self.checkpoints.writer.close()  # every checkpoint on disk before the summary names them
+                self.callbacks.call("on_train_end", self, self.task)
                 if self.cfg.trainer.test and self.data.has("test"):
-                    self._test()
+                    self._test_with(self._test_weights())
                 summary = self._summary(time.perf_counter() - start)
                 self.logger.log_metrics({k: v for k, v in summary.items() if k.startswith("best/")},
                                         self.progress.step)
@@ -410,6 +471,7 @@ class Trainer:
             finally:
                 self.bar.close()
                 self.logger.close()
+                task_hooks.call_if_defined(self.task, "teardown", "fit")
                 self.strategy.teardown(finished)
             if self.strategy.is_rank_zero:
                 write_json(self.run_dir / "summary.json", summary)
@@ -422,7 +484,11 @@ class Trainer:
         p = self.progress
         p.epoch += 1
         p.batch_in_epoch = 0
-        self.callbacks.call("on_train_epoch_end", self, self.task)
+        self._epoch_hook = True  # self.log in on_train_epoch_end is an epoch value, as in Lightning
+        try:
+            self.callbacks.call("on_train_epoch_end", self, self.task)
+        finally:
+            self._epoch_hook = False
         train = self._log_epoch_means()
         due = p.epoch % self.cfg.trainer.val_every_n_epochs == 0 or self._val_due_by_step()
         val = self._validation_round() if self.data.has("val") and due and p.last_val_step != p.step else None
@@ -432,21 +498,23 @@ class Trainer:
         self.checkpoints.save(self.state, p.step, periodic=periodic, metrics=val)
 
     def _log_epoch_means(self) -> dict[str, float]:
-        """The epoch's means of train/loss and of what the task logged `on_epoch` (one host sync per epoch)."""
+        """The epoch's values of train/loss (as train/loss_epoch) and of what the task logged `on_epoch` (one host
+        sync per epoch); the Metrics it logged are computed over every rank, then reset."""
         window = self.window
         window.count_losses(window.tensor())
-        names = list(window.epoch_sums)
-        if not names:
+        means = window.epoch_values()
+        for name, path in window.epoch_metrics.items():
+            metric = self.task.get_submodule(path)
+            means[name] = float(metric.compute())
+            metric.reset()
+        window.epoch_metrics.clear()
+        if not means:
             return {}
-        sums = torch.stack([window.epoch_sums[n].reshape(()).float() for n in names]).tolist()
-        means = {("train/loss_epoch" if n == "train/loss" else n): total / window.epoch_counts[n]
-                 for n, total in zip(names, sums)}
-        window.epoch_sums.clear()
-        window.epoch_counts.clear()
         # The LR curve gets a point every epoch too (unless this step was a logging step, which logged it).
         lrs = {f"lr/{name}": group["lr"] for name, group in zip(self.param_group_names, self.optimizer.param_groups)
                if self.progress.step % self.log_every_n_steps}
-        self.logger.log_metrics({**means, **lrs}, self.progress.step)
+        self.logger.log_metrics({**{k: v for k, v in means.items() if k not in self._hidden}, **lrs},
+                                self.progress.step)
         self._record(means)
         return means
 
@@ -492,35 +560,53 @@ class Trainer:
 
     def _check_first_batches(self) -> None:
         """The first train and val batch through the task once, before anything is logged or trained: data of
-        the wrong kind, or a model, loss, metric or monitor that does not fit it, is one line naming its key
-        (Task.check_batch). On the plain module, in eval mode, without grad, and with the RNG state put back,
-        so training starts exactly as it would without it and no step pays for it."""
-        wrapped, rng = self.task.model, reproducibility.rng_state()
-        self.task.model = self.strategy.unwrap(wrapped)
-        self.task.eval()
+        the wrong kind, or a model, loss, step output, metric or monitor that does not fit it, is one line naming
+        its key (Task.check_batch). On a throw-away copy of the task sharing the plain module (the task's metrics,
+        buffers and logs never see it), in eval mode, without grad, and with the RNG state put back, so training
+        starts exactly as it would without it and no step pays for it."""
+        wrapped, rng = self.model, reproducibility.rng_state()
+        self.model = self.strategy.unwrap(wrapped)
+        handle = _CheckHandle(self)
+        try:
+            shadow = throwaway_copy(self.task, self.model, handle)
+        except Exception as err:  # noqa: BLE001  (a task holding a lock or a file: checked in place)
+            log.debug("the task cannot be copied (%s: %s): its first batches are checked in place", type(err).__name__,
+                      err)
+            shadow, self.task.trainer = self.task, handle
+        shadow.eval()
         try:
             for split in ("train", "val"):
                 batch = self.data.first_batch(split) if self.data.has(split) else None
+                method = "training_step" if split == "train" else "validation_step"
+                handle.stage = split
                 if batch is None:
                     if self.data.has(split) and self.strategy.collective_forward:  # this rank's shard is empty
-                        self._idle_step(self.task.validation_step, None)
+                        self._idle_step(step_function(shadow, method), None)
                         if split == "val":
-                            self.task.epoch_metrics("val")  # synchronised over the ranks, as theirs
+                            shadow.epoch_metrics("val")  # synchronised over the ranks, as theirs
                     continue
                 with torch.no_grad(), self.precision.autocast():
-                    out = self.task.check_batch(move_to(batch, self.device), split,
-                                                input_shape=self.data.input_shape, num_classes=self.data.num_classes)
-                if split == "val":  # a monitor naming no metric would otherwise fail after the first epoch
-                    names = ["val/loss", *(f"val/{name}" for name in out.metrics),
-                             *(f"val/{name}" for name in self.task.epoch_metrics("val"))]  # (which resets them)
-                    self._val_names = names
-                    for key, monitor in self._monitors().items():
-                        if monitor not in names:
-                            raise ConfigError(f"{key}={monitor!r}: no such metric; expected one of {', '.join(names)}")
+                    out = shadow.check_batch(move_to(batch, self.device), split,
+                                             input_shape=self.data.input_shape, num_classes=self.data.num_classes)
+                if split == "val":
+                    self._check_val_names(out, shadow, handle.names)
         finally:
-            self.task.model = wrapped
+            self.model = wrapped
+            self.task.trainer = self
             self.task.train()
             reproducibility.set_rng_state(rng)
+
+    def _check_val_names(self, out: Any, shadow: Task, logged: list[str]) -> None:
+        """A monitor naming no metric of the first val batch is refused now, when nothing else could log it (the
+        task has no validation epoch-end hook); otherwise the first validation round decides (_check_monitors)."""
+        names = [*(["val/loss"] if out is not None else []), *(f"val/{n}" for n in (out.metrics if out else {})),
+                 *logged, *(f"val/{name}" for name in shadow.epoch_metrics("val"))]
+        self._val_names = list(dict.fromkeys(names))
+        if any(task_hooks.defines(self.task, hook) for hook in ("on_validation_epoch_end", "on_validation_end")):
+            return
+        for key, monitor in self._monitors().items():
+            if monitor not in self._val_names:
+                raise ConfigError(f"{key}={monitor!r}: no such metric; expected one of {', '.join(self._val_names)}")
 
     # ------------------------------------------------------------------ checkpoints
     def _finish_saves(self, ending: BaseException) -> None:
@@ -577,7 +663,8 @@ class Trainer:
         self.state.check(state, f"checkpoint {checkpoint.path}", skip)
         self.module.load_state_dict(weights)
         configured = [dict(group) for group in self.optimizer.param_groups]  # from this run's config
-        self.state.load(state, skip)
+        self.state.load(state, (*skip, "task"))  # the task's part after on_train_start (fit)
+        self._saved_task_state = state.get("task")
         if not same_schedule:  # the new schedule starts here, from its start
             for group, fresh in zip(self.optimizer.param_groups, configured):
                 group.update({k: fresh[k] for k in ("lr", "initial_lr") if k in fresh})
@@ -646,11 +733,23 @@ class Trainer:
 
     def _model_summary(self) -> str:
         batch = move_to(next(iter(self.data.batches("train"))), self.device)
-        return summarize(self.strategy.unwrap(self.task.model), lambda: self.task.validation_step(batch))
+        return summarize(self.strategy.unwrap(self.model), lambda: self.task.validation_step(batch))
+
+    def _stop_granted(self) -> bool:
+        """A callback's stop request counts once trainer.min_epochs and min_steps are reached; before that it is
+        dropped (the callback asks again at its next check), as Lightning does."""
+        p, t = self.progress, self.cfg.trainer
+        if p.epoch >= t.min_epochs and p.step >= t.min_steps:
+            return True
+        if self.strategy.is_rank_zero:
+            log.info("%s: not yet, trainer.min_epochs=%d and min_steps=%d (at epoch %d, step %d)", self.stop_reason,
+                     t.min_epochs, t.min_steps, p.epoch, p.step)
+        self.stop_reason = ""
+        return False
 
     def _finished(self) -> bool:
-        if self.stop_reason:  # a callback stopped the run (on resume: one that stops it again in on_fit_start)
-            return True
+        if self.stop_reason and self._stop_granted():  # a callback stopped the run (on resume: one that stops it
+            return True  # again in on_fit_start)
         if self.max_steps > 0:  # max_steps, when set, alone decides the length of the run
             return self.progress.step >= self.max_steps
         return self.progress.epoch >= self.max_epochs
@@ -665,14 +764,20 @@ class Trainer:
         self.callbacks.call("on_train_epoch_start", self, task)
         self.bar.start_epoch(p.epoch, self.train_batches, initial=p.batch_in_epoch,
                              max_epochs=0 if self.max_steps > 0 else self.max_epochs)
-        batches = iter(itertools.islice(self.data.batches("train", p.epoch, start_batch=p.batch_in_epoch),
-                                        self.train_batches - p.batch_in_epoch))
-        training_step, batch_size, losses = task.training_step, task.batch_size, self.window.losses
+        if self.overfit:  # the same batches every epoch
+            batches = iter(itertools.islice(self._overfit_batches(), p.batch_in_epoch, self.train_batches))
+        else:
+            batches = iter(itertools.islice(self.data.batches("train", p.epoch, start_batch=p.batch_in_epoch),
+                                            self.train_batches - p.batch_in_epoch))
+        training_step, batch_size, losses = self.step_fns["training_step"], task.batch_size, self.window.losses
+        where = f"{type(task).__name__}.training_step"
         precision, bar, checkpoints = self.precision, self.bar if self.bar.enabled else None, self.checkpoints
         autocast = precision.autocast if precision.dtype is not None else None
         to_device = None if self.device.type == "cpu" else move_to  # batches are made on the CPU
-        no_sync = self.strategy.no_sync(task.model) if self.accumulate > 1 else None
+        no_sync = self.strategy.no_sync(self.model) if self.accumulate > 1 else None
         plain = contextlib.nullcontext()
+        batch_start = self.callbacks.bound("on_train_batch_start")
+        after_backward = self.callbacks.bound("on_after_backward")
         batch_end = self.callbacks.bound("on_train_batch_end")
         accumulate, train_batches, log_every, max_steps = (self.accumulate, self.train_batches,
                                                            self.log_every_n_steps, self.max_steps)
@@ -691,20 +796,27 @@ class Trainer:
                 batch = to_device(batch, self.device)
             steps_now = accumulate == 1 or (p.batch_in_epoch + 1) % accumulate == 0 \
                 or p.batch_in_epoch + 1 == train_batches
+            n = self._batch_n = batch_size(batch)  # what the task logs in this step is weighted by it
+            if batch_start is not None:
+                batch_start(self, task, batch, p.batch_in_epoch)
             with (plain if no_sync is None or steps_now else no_sync()):  # one all-reduce per optimizer step
                 if autocast is None:
-                    out = training_step(batch)
+                    out = training_step(batch, p.batch_in_epoch)
                 else:
                     with autocast():
-                        out = training_step(batch)
+                        out = training_step(batch, p.batch_in_epoch)
+                if type(out) is not StepOutput:  # a loss tensor or a dict with "loss", as in Lightning
+                    out = as_step_output(out, where, training=True)
                 loss = out.loss
                 precision.backward(loss / accumulate if accumulate > 1 else loss)
+            if after_backward is not None:
+                after_backward(self, task)
             losses.append(loss.detach())
             if out.metrics:  # a task's train metrics: train/<name> at logging steps and as epoch means
                 for name, value in out.metrics.items():
                     self.log_from_task(f"train/{name}", value, on_step=True, on_epoch=True)
             p.batch_in_epoch += 1
-            samples += batch_size(batch)
+            samples += n
             if bar is not None:
                 bar.update()
             if steps_now:
@@ -726,7 +838,7 @@ class Trainer:
                                  metrics=val)
             elif mid_epoch and periodic and checkpoints.due_periodic(p.step):
                 checkpoints.save(self.state, p.step, periodic=True)
-            if self.stop_reason or 0 < max_steps <= p.step:
+            if (self.stop_reason and self._stop_granted()) or 0 < max_steps <= p.step:
                 break
         seconds = clock() - epoch_start
         batches_run = p.batch_in_epoch - first_batch
@@ -752,14 +864,16 @@ class Trainer:
             s.scheduler.step()
 
     def _flush_train_log(self) -> None:
-        """Log the window's mean loss and every value given to log() (one host sync for all of them), and stop if
-        any loss was not finite."""
+        """Log the window's mean loss and every value given to log() (one host sync for all of them; a logged
+        Metric is computed, over every rank), and stop if any loss was not finite."""
         window = self.window
         if not window.losses:
             return
         losses = window.tensor()
         finite = torch.isfinite(losses)
+        task_values = {k: (v.compute() if not isinstance(v, torch.Tensor) else v) for k, v in self._task_step.items()}
         logged = {name: v for name, v in self._logged.items() if isinstance(v, torch.Tensor)}
+        logged.update(task_values)
         mean, all_finite, *values = torch.stack([losses.mean(), finite.all().float(),
                                                  *(v.reshape(()).float() for v in logged.values())]).tolist()
         if not all_finite:
@@ -769,7 +883,8 @@ class Trainer:
             raise UserError(f"train/loss became {losses[first].item()} at step {bad_step} (epoch {epoch}); "
                             f"training stopped, and what was already written in {self.run_dir} is kept. "
                             "Expected a finite loss: try a lower optimizer.lr or set trainer.grad_clip_norm")
-        metrics = {"train/loss": mean, "epoch": float(self.progress.epoch)}
+        own = {} if "train/loss" in self._task_train_names else {"train/loss": mean}  # the task's own wins
+        metrics = {**own, "epoch": float(self.progress.epoch)}
         for name, group in zip(self.param_group_names, self.optimizer.param_groups):
             metrics[f"lr/{name}"] = group["lr"]
         if self.precision.scaler is not None:
@@ -778,9 +893,10 @@ class Trainer:
         metrics.update({k: v for k, v in self._logged.items() if not isinstance(v, torch.Tensor)})
         metrics.update(zip(logged, values))
         self._logged.clear()
-        self.logger.log_metrics(metrics, self.progress.step)
+        self._task_step.clear()
+        self.logger.log_metrics({k: v for k, v in metrics.items() if k not in self._hidden}, self.progress.step)
         self.bar.show({"train/loss": mean, **{k: v for k, v in metrics.items() if k in self._bar_names}})
-        self._record({"train/loss": mean})
+        self._record({**own, **{k: metrics[k] for k in task_values}})
         window.count_losses(losses)
         window.losses.clear()  # in place: _train_epoch holds this list
         window.first_step, window.counted = self.progress.step, 0
@@ -800,6 +916,7 @@ class Trainer:
     def _validate(self) -> dict[str, float]:
         self.callbacks.call("on_validation_start", self, self.task)
         metrics = self._evaluate("val")
+        self._check_monitors(metrics)
         self._record(metrics)
         for name, value in metrics.items():  # best over the run: the lowest loss or perplexity, the highest of the rest
             best = self.metrics.get(f"best/{name}", value)
@@ -810,13 +927,22 @@ class Trainer:
         self.callbacks.call("on_validation_end", self, self.task, metrics)
         return metrics
 
+    def _check_monitors(self, metrics: dict[str, float]) -> None:
+        """The first validation round shows every metric there is (what the steps and the epoch-end hook logged):
+        a monitor naming none of them is one line, before anything acts on it."""
+        if self._val_checked:
+            return
+        self._val_checked = True
+        for key, monitor in self._monitors().items():
+            if monitor not in metrics:
+                raise ConfigError(f"{key}={monitor!r}: no such metric in the first validation; expected one of "
+                                  f"{', '.join(metrics)}")
+
     def _validation_round(self) -> dict[str, float]:
         """A validation during training (by epoch or by step), then the scheduler that monitors its metric."""
         val = self._validate()
         s = self.scheduler
         if s is not None and s.monitor is not None and self.progress.validations % s.frequency == 0:
-            if s.monitor not in val:
-                raise ConfigError(f"scheduler.monitor={s.monitor!r}: no such metric; expected one of {', '.join(val)}")
             s.scheduler.step(val[s.monitor])
         return val
 
@@ -827,7 +953,32 @@ class Trainer:
         if s is not None and s.interval == "epoch" and s.monitor is None and self.progress.epoch % s.frequency == 0:
             s.scheduler.step()
 
-    def _test(self) -> None:
+    def _test_weights(self) -> Optional[Path]:
+        """The checkpoint whose weights fit's test uses (trainer.test_ckpt, Lightning's ckpt_path), or None for the
+        weights training ended with. Rank 0 knows the checkpoints; every rank loads the same."""
+        ck, choice = self.cfg.checkpoint, self.cfg.trainer.test_ckpt
+        if choice is None:
+            choice = "best" if ck.monitor and ck.save_top_k > 0 and not self.fast_dev_run else "last"
+        self.tested = "last"
+        if choice == "last":
+            return None
+        best = self.checkpoints.best_path() if self.strategy.is_rank_zero else None
+        chosen = self.strategy.broadcast_object(str(best) if best is not None else None)
+        if chosen is None:
+            if self.strategy.is_rank_zero:
+                log.warning("trainer.test_ckpt=best: no best checkpoint was saved (no validation ran): testing "
+                            "the final weights")
+            self.tested = "last (no best checkpoint was saved)"
+            return None
+        return Path(chosen)
+
+    def _test_with(self, weights: Optional[Path]) -> None:
+        if weights is not None:
+            checkpoint = open_checkpoint(weights)
+            self.module.load_state_dict(checkpoint.model_state(self.strategy.mesh))
+            self.tested = f"best (step {checkpoint.step})"
+            if self.strategy.is_rank_zero:
+                log.info("Testing the best checkpoint's weights (step %d, %s)", checkpoint.step, weights)
         self.callbacks.call("on_test_start", self, self.task)
         metrics = self._evaluate("test")
         self._record(metrics)
@@ -835,70 +986,71 @@ class Trainer:
 
     @torch.no_grad()
     def _evaluate(self, split: str) -> dict[str, float]:
-        """Average loss and metrics over `split`, weighted by batch size and reduced over all ranks; what the task
-        logged (the mean of its values); and its stateful metrics (computed over every rank by the task)."""
+        """Loss and metrics over `split` (under trainer.overfit_batches, validation runs on the training batches),
+        weighted by batch size and reduced over all ranks; what the task logged (task_log.EvalLog); its stateful
+        metrics (computed over every rank by the task). The epoch hooks run after the last batch, before what was
+        logged is computed, as in Lightning."""
         t = self.cfg.trainer
         limit = 1 if self.fast_dev_run else (t.limit_val_batches if split == "val" else t.limit_test_batches)
-        step_fn = self.task.validation_step if split == "val" else self.task.test_step
-        wrapped = self.task.model
-        self.task.model = self.strategy.for_eval(wrapped)
+        overfit = bool(self.overfit) and split == "val"
+        step_fn = self.step_fns["validation_step" if split == "val" else "test_step"]
+        where = f"{type(self.task).__name__}.{'validation_step' if split == 'val' else 'test_step'}"
+        wrapped = self.model
+        self.model = self.strategy.for_eval(wrapped)
         self.task.eval()
-        self._stage, self._eval_logged = split, {}
+        self._stage, self._eval_log = split, EvalLog(split, self.device)
         sums: dict[str, torch.Tensor] = {}
-        count, batches, batch = 0, _limit(limit, self.data.num_batches(split)), None
+        available = self.overfit if overfit else self.data.num_batches(split)
+        count, batches, batch = 0, (self.overfit if overfit else _limit(limit, available)), None
         # A sharded model's forward gathers weights from every rank: a rank with fewer batches runs empty ones.
         rounds = max(self.strategy.gather_objects(batches)) if self.strategy.collective_forward else batches
+        hook = "validation" if split == "val" else "test"
         try:
-            for batch in itertools.islice(self.data.batches(split), batches):
+            task_hooks.call_if_defined(self.task, f"on_{hook}_epoch_start")
+            data = self._overfit_batches() if overfit else self.data.batches(split)
+            for i, batch in enumerate(itertools.islice(data, batches)):
                 batch = move_to(batch, self.device)
-                with self.precision.autocast():
-                    out = step_fn(batch)
                 n = self.task.batch_size(batch)
-                for name, value in itertools.chain((("loss", out.loss),), out.metrics.items()):
-                    weighted = value.detach().float() * n
-                    sums[name] = sums[name] + weighted if name in sums else weighted
+                self._batch_n = n
+                with self.precision.autocast():
+                    out = as_step_output(step_fn(batch, i), where, training=False)
+                if out is not None:
+                    for name, value in itertools.chain((("loss", out.loss),), out.metrics.items()):
+                        weighted = value.detach().float() * n
+                        sums[name] = sums[name] + weighted if name in sums else weighted
                 count += n
             for _ in range(rounds - batches):
                 self._idle_step(step_fn, batch)
-            if split == "val":
-                self.task.on_validation_epoch_end()
+            task_hooks.call_if_defined(self.task, f"on_{hook}_epoch_end")
             stateful = {f"{split}/{name}": float(value) for name, value in self.task.epoch_metrics(split).items()}
-            logged = self._eval_logged
+            evaluated = self._eval_log
         finally:
-            self._stage, self._eval_logged = "train", {}
+            self._stage, self._eval_log, self._batch_n = "train", None, 1
             self.task.train()
-            self.task.model = wrapped
-        # A rank whose shard gave no batch knows no names: agree on them before reducing, all in one all-reduce.
-        gathered = self.strategy.gather_objects((list(sums), list(logged)))
-        names = list(dict.fromkeys(n for ranks, _ in gathered for n in ranks))
-        logged_names = list(dict.fromkeys(n for _, ranks in gathered for n in ranks))
-        zero = torch.zeros((), device=self.device)
-        totals = torch.stack([*(sums.get(n, zero) for n in names), torch.tensor(float(count), device=self.device),
-                              *(logged[n][0] if n in logged else zero for n in logged_names),
-                              *(torch.tensor(float(logged[n][1] if n in logged else 0), device=self.device)
-                                for n in logged_names)])
-        totals = self.strategy.all_reduce_sum(totals).tolist()
-        total_count, logged_totals = totals[len(names)], totals[len(names) + 1:]
-        metrics = {f"{split}/{name}": (value / total_count if total_count > 0 else math.nan)
-                   for name, value in zip(names, totals[:len(names)])}
-        k = len(logged_names)
-        metrics.update({name: (total / n if n > 0 else math.nan)
-                        for name, total, n in zip(logged_names, logged_totals[:k], logged_totals[k:])})
-        metrics.update(stateful)
-        self.logger.log_metrics(metrics, self.progress.step)
+            self.model = wrapped
+        outputs, logged = evaluated.finish(self.strategy, self.task, sums, count)
+        metrics = {**outputs, **logged, **stateful}
+        self.logger.log_metrics({k: v for k, v in metrics.items() if k not in self._hidden}, self.progress.step)
         return metrics
+
+    def _overfit_batches(self) -> list[Any]:
+        """trainer.overfit_batches: the first N batches of epoch 0's order, kept, for every epoch's training and
+        validation (as Lightning does; meant for a few batches)."""
+        if self._overfit_kept is None:
+            self._overfit_kept = list(itertools.islice(self.data.batches("train", 0), self.overfit))
+        return self._overfit_kept
 
     def _idle_step(self, step_fn: Any, batch: Any) -> None:
         """A step on no samples (`batch` cut to none, or this rank's first training batch), for the collectives
         of its forward only: under FSDP every rank must gather each unit's weights as often as the others.
         What it logs is dropped; metrics see no sample."""
         empty = _rows(move_to(batch if batch is not None else self.data.first_batch("train"), self.device), 0)
-        logged, self._eval_logged = self._eval_logged, {}
+        logged, self._eval_log = self._eval_log, EvalLog("idle", self.device)
         try:
             with torch.no_grad(), self.precision.autocast():
-                step_fn(empty)
+                step_fn(empty, 0)
         finally:
-            self._eval_logged = logged
+            self._eval_log = logged
 
     # ------------------------------------------------------------------ results
     def _record(self, metrics: dict[str, float]) -> None:
@@ -911,5 +1063,6 @@ class Trainer:
         summary.update(status="ok", step=p.step, epoch=p.epoch, batch_in_epoch=p.batch_in_epoch,
                        epoch_batches=self.train_batches, seconds=round(seconds, 3),
                        world_size=self.strategy.world_size, precision=self.precision.name,
-                       best_checkpoint=str(best) if best is not None else None, stopped=self.stop_reason or None)
+                       best_checkpoint=str(best) if best is not None else None, stopped=self.stop_reason or None,
+                       tested=self.tested or None)
         return summary

@@ -41,12 +41,13 @@ class SelfSignalTask(ClassificationTask):
 
 
 def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
-    """The last checkpoint's weights and optimizer and callback tensors, whole (a sharded one's gathered)."""
+    """The last checkpoint's weights and optimizer, callback and task (torchmetrics states) tensors, whole (a
+    sharded one's gathered)."""
     checkpoint = open_checkpoint(run_dir / "checkpoints" / "last")
     state: dict[str, torch.Tensor] = {}
     flatten(checkpoint.state(), state)
     return {**checkpoint.model_state(),
-            **{f"state:{k}": v for k, v in state.items() if k.startswith(("/optimizer", "/callbacks"))}}
+            **{f"state:{k}": v for k, v in state.items() if k.startswith(("/optimizer", "/callbacks", "/task"))}}
 
 
 def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

@@ -108,7 +108,8 @@ class RecordingTask(ClassificationTask):
     seen: dict[str, set[tuple[bool, bool]]] = {}
 
     def _note(self, kind: str) -> None:
-        RecordingTask.seen.setdefault(kind, set()).add((self.training, torch.is_grad_enabled()))
+        if isinstance(self.trainer, Trainer):  # not the pre-flight check's throw-away copy (eval mode, no grad)
+            RecordingTask.seen.setdefault(kind, set()).add((self.training, torch.is_grad_enabled()))
 
     def training_step(self, batch: Any) -> StepOutput:
         self._note("train")
