@@ -31,7 +31,7 @@ from framework.checkpoint import (Checkpoint, CheckpointManager, CheckpointSaveE
                                   check_compatible, load_weights, open_checkpoint, validate_state)
 from framework.data import DataModule
 from framework.errors import ConfigError, Interrupted, UserError
-from framework.instantiate import build, locate
+from framework.instantiate import build, error_line, locate
 from framework.loggers import TensorBoardLogger, print_summary, write_json
 from framework.model_summary import summarize
 from framework.optim import (apply_changed_options, build_optimizer, build_scheduler, changed_options,
@@ -438,7 +438,7 @@ class Trainer:
                 if self._saved_task_state is not None:  # after the hooks: a reset there (as lightning-hydra-
                     self.task_state.load_state_dict(self._saved_task_state)  # template does) keeps the resume exact
                     self._saved_task_state = None
-                with torch.autograd.set_detect_anomaly(self.cfg.trainer.detect_anomaly):
+                with torch.autograd.set_detect_anomaly(self.cfg.trainer.detect_anomaly), self._anomaly_as_error():
                     while not self._finished():
                         self._train_epoch(watch)
                         if self.progress.batch_in_epoch >= self.train_batches:  # a whole epoch, not a stop mid-epoch
@@ -477,6 +477,20 @@ class Trainer:
                 write_json(self.run_dir / "summary.json", summary)
                 print_summary(summary, self.run_dir)
         return summary
+
+    @contextlib.contextmanager
+    def _anomaly_as_error(self) -> Any:
+        """Under trainer.detect_anomaly, the op whose backward made a NaN is one Error: line (anomaly mode has
+        printed the forward's traceback that created it just before), not a traceback from inside backward."""
+        try:
+            yield
+        except RuntimeError as err:
+            if not self.cfg.trainer.detect_anomaly or "nan values" not in str(err):
+                raise
+            p = self.progress
+            raise UserError(f"trainer.detect_anomaly: {error_line(err).rstrip('.')} at step {p.step + 1} (epoch {p.epoch}, batch "
+                            f"{p.batch_in_epoch}); the forward that made it is in the traceback printed above; "
+                            f"what was already written in {self.run_dir} is kept") from err
 
     def _end_epoch(self) -> None:
         """A completed epoch: its callbacks, validation (by epoch, or by step when this step is due), the epoch
