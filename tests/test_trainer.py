@@ -10,6 +10,7 @@ import torch
 
 from conftest import read_scalars
 from framework.task import ClassificationTask, StepOutput
+from framework.metric_logger import TaskHandle
 from framework.trainer import Trainer
 
 PLAIN_SGD = ("optimizer.momentum=0.0", "optimizer.weight_decay=0.0")
@@ -108,7 +109,7 @@ class RecordingTask(ClassificationTask):
     seen: dict[str, set[tuple[bool, bool]]] = {}
 
     def _note(self, kind: str) -> None:
-        if isinstance(self.trainer, Trainer):  # not the pre-flight check's throw-away copy (eval mode, no grad)
+        if isinstance(self.trainer, TaskHandle):  # not the pre-flight check's throw-away copy (eval mode, no grad)
             RecordingTask.seen.setdefault(kind, set()).add((self.training, torch.is_grad_enabled()))
 
     def training_step(self, batch: Any) -> StepOutput:
