@@ -154,6 +154,9 @@ def as_tensor(name: str, value: Any) -> Optional[torch.Tensor]:
     return torch.tensor(float(value))
 
 
+OWN_LOSS = "trainer/loss"  # the window's own epoch sum: train/loss_epoch, unless the task logs train/loss itself
+
+
 class TrainLog:
     """What training logs, kept on the device between logging steps (no host sync per step):
     - `losses`: the per-batch losses since the last logging step (appending costs no kernel launch), the step
@@ -195,7 +198,7 @@ class TrainLog:
     def count_losses(self, losses: torch.Tensor) -> None:
         """Add the window's losses not yet counted to the epoch's `train/loss` sum (a mean over batches)."""
         if len(losses) > self.counted:
-            self.add("train/loss_epoch", losses[self.counted:].mean(), len(losses) - self.counted)
+            self.add(OWN_LOSS, losses[self.counted:].mean(), len(losses) - self.counted)
         self.counted = len(losses)
 
     def epoch_values(self) -> dict[str, float]:
@@ -228,7 +231,7 @@ class TrainLog:
         self.first_step, self.counted = state["first_step"], state["counted"]
         self.losses[:] = list(state["losses"].to(self.device).unbind())  # in place: the loop holds this list
         # Checkpoints written before the task could log its own train/loss kept the window's sum under that name.
-        renamed = {"train/loss": "train/loss_epoch"} if "epoch_fx" not in state else {}
+        renamed = {"train/loss": OWN_LOSS} if "epoch_fx" not in state else {}
         self.epoch_sums = {renamed.get(k, k): v.to(self.device) for k, v in state["epoch_sums"].items()}
         self.epoch_counts = {renamed.get(k, k): v for k, v in state["epoch_counts"].items()}
         self.epoch_fx = dict(state.get("epoch_fx", {}))  # absent from checkpoints written before it existed
@@ -254,6 +257,7 @@ class MetricLogger:
         self._logged: dict[str, Any] = {}  # values given to Trainer.log(), written at the next logging step
         self._task_step: dict[str, Any] = {}  # the task's on_step values (or Metrics) for the next logging step
         self._task_train_names: set[str] = set()  # what the task logs in training (its train/loss replaces ours)
+        self._step_metrics: set[str] = set()  # Metrics logged on_step only (their paths): reset at the epoch's end
         self.bar_names: set[str] = set()  # what the task asked to see in the progress bar
         self.hidden: set[str] = set()  # what the task logged with logger=False: not written to TensorBoard
 
@@ -297,6 +301,8 @@ class MetricLogger:
         on_epoch = self.epoch_hook if on_epoch is None else on_epoch
         if on_step:
             self._task_step[name] = value if tensor is None else tensor
+            if tensor is None and not on_epoch:  # reset at the epoch's end all the same, as Lightning does
+                self._step_metrics.add(self._metric_path(value, name))
         if on_epoch:
             epoch_name = f"{name}_epoch" if on_step else name
             if tensor is None:
@@ -362,11 +368,17 @@ class MetricLogger:
         window = self.window
         window.count_losses(window.tensor())
         values = window.epoch_values()
+        own = values.pop(OWN_LOSS, None)
+        if own is not None and "train/loss" not in self._task_train_names:
+            values["train/loss_epoch"] = own
         for name, path in window.epoch_metrics.items():
             metric = task.get_submodule(path)
             values[name] = float(metric.compute())
             metric.reset()
+        for path in self._step_metrics - set(window.epoch_metrics.values()):
+            task.get_submodule(path).reset()
         window.epoch_metrics.clear()
+        self._step_metrics.clear()
         if values:
             self.tensorboard.log_metrics({**{k: v for k, v in values.items() if k not in self.hidden}, **extras}, step)
             self.metrics.update(values)

@@ -42,8 +42,8 @@ class CheckHandle:
 
 def check_first_batches(task: Task, model_attr: str, evaluator: Evaluator, monitors: dict[str, str]) -> list[str]:
     """Run the check; returns the validation metric names the first val batch showed (for TensorBoard's layout).
-    A monitor naming none of them is refused now when nothing else could log it (the task has no validation
-    epoch-end hook); otherwise the first validation round decides."""
+    A monitor naming none of them is refused now when nothing else could log it (the task has no
+    on_validation_epoch_end); otherwise the first validation round decides."""
     strategy, data = evaluator.strategy, evaluator.data
     wrapped, rng = getattr(task, model_attr), reproducibility.rng_state()
     plain = strategy.unwrap(wrapped)
@@ -88,7 +88,7 @@ def _val_names(out: Optional[StepOutput], shadow: Task, logged: list[str]) -> li
 
 
 def _check_monitors(task: Task, monitors: dict[str, str], names: list[str]) -> None:
-    if any(task_hooks.defines(task, hook) for hook in ("on_validation_epoch_end", "on_validation_end")):
+    if task_hooks.defines(task, "on_validation_epoch_end"):  # (Lightning allows no self.log in on_validation_end)
         return
     for key, monitor in monitors.items():
         if monitor not in names:

@@ -4,12 +4,13 @@ form depends on the run (optimizer, precision, callbacks) live here too."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Callable
 
 from omegaconf import DictConfig
 
 from framework.callbacks import CallbackList
-from framework.checkpoint import Checkpoint, DamagedCheckpoint, check_compatible, validate_state
+from framework.checkpoint import Checkpoint, DamagedCheckpoint, check_compatible, open_checkpoint, validate_state
 from framework.errors import ConfigError
 from framework.optim import apply_changed_options, changed_options, check_optimizer_state
 from framework.state import TrainingState
@@ -81,3 +82,26 @@ def callbacks_check(callbacks: CallbackList) -> Callable[[Any, str], None]:
             if name not in callbacks.callbacks and saved[name]:
                 log.warning("resume: %s/%s is not configured in this run; its saved state is not used", where, name)
     return check
+
+
+def load_test_weights(cfg: DictConfig, checkpoints: Any, strategy: Any, module: Any) -> str:
+    """Put into `module` the weights fit's test uses, as trainer.test_ckpt says (Lightning's ckpt_path; by default the
+    best checkpoint's when a monitored top-k keeps one, else the final weights); returns which, for the summary.
+    Rank 0 knows the checkpoints; every rank loads the same."""
+    ck, choice = cfg.checkpoint, cfg.trainer.test_ckpt
+    if choice is None:
+        choice = "best" if ck.monitor and ck.save_top_k != 0 and not cfg.trainer.fast_dev_run else "last"
+    best = checkpoints.best_path() if strategy.is_rank_zero and choice == "best" else None
+    chosen = strategy.broadcast_object(str(best) if best is not None else None)
+    if chosen is not None:
+        checkpoint = open_checkpoint(Path(chosen))
+        module.load_state_dict(checkpoint.model_state(strategy.mesh))
+        if strategy.is_rank_zero:
+            log.info("Testing the best checkpoint's weights (step %d, %s)", checkpoint.step, chosen)
+        return f"best (step {checkpoint.step})"
+    if choice == "best":
+        if strategy.is_rank_zero:
+            log.warning("trainer.test_ckpt=best: no best checkpoint was saved (no validation ran): testing the final "
+                        "weights")
+        return "last (no best checkpoint was saved)"
+    return "last"

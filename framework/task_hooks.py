@@ -2,8 +2,9 @@
 
 The hooks run through the callbacks' machinery: `task_callback(task)` is a `Callback` whose methods call the
 task's own, built with only the hooks the task overrides, so a hook nobody defines costs nothing per step.
-The task's hooks run before the configured callbacks', so that what a task logs in `on_validation_end` or
-`on_train_epoch_end` is there for early stopping and checkpoints. The trainer calls the evaluation's epoch hooks
+The task's hooks run before the configured callbacks'. What a task logs in `on_validation_epoch_end` (part of the
+validation) or `on_train_epoch_end` (an epoch value) is there for early stopping and checkpoints; as in Lightning,
+`on_validation_end` is for side effects, not `self.log`. The trainer calls the evaluation's epoch hooks
 (`on_validation_epoch_start`/`_end`, `on_test_epoch_start`/`_end`) itself, between the batches and the
 computation of what was logged, and `on_save_checkpoint`/`on_load_checkpoint` go through the task's registered
 state (framework/state.py).
@@ -65,7 +66,8 @@ _CALLED: dict[str, tuple[str, Callable[..., tuple]]] = {
     "on_fit_end": ("on_fit_end", lambda: ()),
     "on_exception": ("on_exception", lambda exception: (exception,)),
 }
-# Called by the trainer itself (evaluation's epoch hooks, checkpoint hooks) or above with a stage (setup).
+# Called by the trainer itself: setup("fit") once the task is built, before the model is placed, compiled or wrapped
+# (as Lightning does, so parameters made there are trained); evaluation's epoch hooks; checkpoint hooks.
 _OTHERS = ("setup", "teardown", "on_validation_epoch_start", "on_validation_epoch_end", "on_test_epoch_start",
            "on_test_epoch_end", "on_save_checkpoint", "on_load_checkpoint")
 CALLED = tuple(sorted({name for name, _ in _CALLED.values()} | set(_OTHERS)))
@@ -92,8 +94,6 @@ def task_callback(task: Any) -> Optional[Callback]:
     for hook, (name, convert) in _CALLED.items():
         if defines(task, name):
             methods[hook] = _caller(name, convert)
-    if defines(task, "setup"):
-        methods["setup"] = lambda self, trainer, task: task.setup("fit")
     if not methods:
         return None
     return type(f"{type(task).__name__}Hooks", (Callback,), methods)()
