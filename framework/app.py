@@ -127,69 +127,90 @@ def _run(cfg: DictConfig, started: Optional[list] = None) -> Optional[float]:
     `started` gets an item once training is handed over (a later failure is no longer "refused at start")."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    in_place = not cfg.resume and resume.continues_in_place(hydra_cfg.mode == RunMode.MULTIRUN, run_dir)
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    in_place = not cfg.resume and resume.continues_in_place(multirun, run_dir)
     if in_place:
         cfg.resume = resume.AUTO  # a requeued job continues from its own last checkpoint
     if not cfg.resume:  # a resumed run's values come from its checkpoint: checked once merged, below
         resolve_all(cfg)
         config.validate(cfg)
-    overrides = list(hydra_cfg.overrides.task)
-    choices = dict(hydra_cfg.runtime.choices)
     rank_zero = os.environ.get("RANK", "0") == "0"
-    if rank_zero and not cfg.resume and str(hydra_cfg.output_subdir or "").startswith(".hydra/attempt-"):
-        raise ConfigError(f"hydra.run.dir={str(run_dir)!r} already holds a run, and a new run never replaces "
-                          f"one; expected resume={run_dir} to continue it, or another directory")
+    held = rank_zero and str(hydra_cfg.output_subdir or "").startswith(".hydra/")  # a run was there before
+    if held and not cfg.resume:
+        raise ConfigError(_new_run_refused(run_dir))
     with rundir.RunDirLock(run_dir) if rank_zero else contextlib.nullcontext():
-        from framework.checkpoint import DamagedCheckpoint  # torch: imported once the config is known good
-
-        fresh, fresh_choices = cfg, choices
-        checkpoint = resume.find_checkpoint(cfg.resume, run_dir)
-        recording: Optional[provenance.BackgroundWrite] = None
-        try:
-            while True:
-                try:
-                    cfg, choices = _settled(fresh, fresh_choices, checkpoint, overrides, hydra_cfg)
-                except ConfigError as err:
-                    if not in_place or checkpoint is None:
-                        raise
-                    raise ConfigError(f"{run_dir} already holds a run, which this job would continue (a sweep "
-                                      f"directory used again, or a requeued job): {err}; for a new run, expected "
-                                      "another hydra.sweep.dir") from None
-                params = sweep.hparams(cfg, choices, overrides)
-                if rank_zero and recording is None:  # once the run is known to start: a refused one leaves nothing
-                    recording = provenance.BackgroundWrite(run_dir, Path(hydra_cfg.runtime.cwd), overrides)
-                if started is not None:
-                    started.append(True)
-                try:
-                    summary = launch(cfg, run_dir, checkpoint, params, choices)
-                    if rank_zero and summary and (run_dir / "summary.json").is_file():  # not after a dry run
-                        summary = _write_summary(run_dir, summary)
-                    break
-                except DamagedCheckpoint as err:  # its state does not fit the live components: try an older one
-                    if checkpoint is None:
-                        raise
-                    checkpoint = resume.fall_back(fresh.resume, checkpoint, err)
-        finally:
-            if recording is not None:
-                recording.join()
+        cfg, summary = _train(cfg, run_dir, hydra_cfg, started, in_place=in_place)
     return summary.get(cfg.checkpoint.monitor or "val/acc")
 
 
-def _settled(cfg: DictConfig, choices: dict[str, Any], checkpoint: Any, overrides: list[str],
+def _new_run_refused(run_dir: Path) -> str:
+    """The refusal of a new run into `run_dir`, with the way forward that works for what is there."""
+    refused = f"hydra.run.dir={str(run_dir)!r} already holds a run, and a new run never replaces one"
+    if resume.finished_unsaved(run_dir):
+        return f"{refused}; expected another directory (that run finished without a checkpoint to continue from)"
+    return f"{refused}; expected resume={run_dir} to continue it, or another directory"
+
+
+def _train(fresh: DictConfig, run_dir: Path, hydra_cfg: DictConfig, started: Optional[list], *,
+           in_place: bool) -> tuple[DictConfig, dict[str, Any]]:
+    """Settle the config on the checkpoint it starts from (an older one where a newer does not restore), then
+    train, in this locked run directory; the config it ran with, and its summary."""
+    from framework.checkpoint import DamagedCheckpoint  # torch: imported once the config is known good
+
+    rank_zero = os.environ.get("RANK", "0") == "0"
+    overrides, fresh_choices = list(hydra_cfg.overrides.task), dict(hydra_cfg.runtime.choices)
+    checkpoint = resume.find_checkpoint(fresh.resume, run_dir)
+    recording: Optional[provenance.BackgroundWrite] = None
+    try:
+        while True:
+            try:
+                cfg, choices = _settled(fresh, fresh_choices, resume.saved_run(fresh.resume, checkpoint), overrides,
+                                        hydra_cfg)
+            except ConfigError as err:
+                if not in_place or checkpoint is None:
+                    raise
+                raise ConfigError(f"{run_dir} already holds a run, which this job would continue (a sweep "
+                                  f"directory used again, or a requeued job): {err}; for a new run, expected "
+                                  "another hydra.sweep.dir") from None
+            params = sweep.hparams(cfg, choices, overrides)
+            if rank_zero and recording is None:  # once the run is known to start: a refused one leaves nothing
+                recording = provenance.BackgroundWrite(run_dir, Path(hydra_cfg.runtime.cwd), overrides)
+            if started is not None:
+                started.append(True)
+            try:
+                summary = launch(cfg, run_dir, checkpoint, params, choices)
+                if rank_zero and summary and (run_dir / "summary.json").is_file():  # not after a dry run
+                    summary = _write_summary(run_dir, summary)
+                return cfg, summary
+            except DamagedCheckpoint as err:  # its state does not fit the live components: try an older one
+                if checkpoint is None and cfg.init_from:  # its files, verified as they were loaded
+                    raise ConfigError(f"init_from={cfg.init_from!r}: {err}") from None
+                if checkpoint is None:
+                    raise
+                checkpoint = resume.fall_back(fresh.resume, checkpoint, err)
+    finally:
+        if recording is not None:
+            recording.join()
+
+
+def _settled(cfg: DictConfig, choices: dict[str, Any], saved: Optional[resume.SavedRun], overrides: list[str],
              hydra_cfg: DictConfig) -> tuple[DictConfig, dict[str, Any]]:
-    """The config the run uses: for a resume, the checkpoint's own, with this command line on top, built only
-    from targets the user's own code names; validated, with its data folder checked."""
-    if checkpoint is not None:
+    """The config the run uses: for a resume, the saved run's own (its checkpoint's, or for a run that saved
+    none, Hydra's record of it), with this command line on top, built only from targets the user's own code
+    names; validated, with its data folder and init_from checked."""
+    if saved is not None:
         trusted = resume.conf_targets(_conf_dirs(hydra_cfg)) | {
             t for _, t in resume.targets(OmegaConf.to_container(cfg, resolve=False))}
-        cfg, choices = resume.resumed_config(cfg, checkpoint, choices, overrides)
+        cfg, choices = resume.resumed_config(cfg, saved, choices, overrides)
         if not cfg.trust_saved_config:
             resume.check_saved_targets(cfg, trusted, Path(hydra_cfg.runtime.cwd),
-                                       f"the config saved in {checkpoint.path}")
+                                       f"the config saved in {saved.source}")
     if cfg.resume:
         resolve_all(cfg)
         config.validate(cfg)
     check_paths(cfg)
+    if cfg.get("init_from"):
+        cfg.init_from = resume.find_weights(str(cfg.init_from))
     return cfg, choices
 
 

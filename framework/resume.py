@@ -1,6 +1,8 @@
 """Resume modes: which run directory a resumed run uses, which checkpoint it starts from, and its config.
 
-- `resume=RUN_DIR`: continue that run in place, from its newest intact checkpoint, with its saved config.
+- `resume=RUN_DIR`: continue that run in place, from its newest intact checkpoint, with its saved config; a run
+  killed before its first checkpoint starts again from step 0 in place, with the config Hydra saved for it
+  (`.hydra/config.yaml`), as `resume=auto` would start it.
 - `resume=CHECKPOINT_DIR`: a new run directory, starting from that checkpoint's full state and config.
 - `resume=auto`: with a fixed `hydra.run.dir`, resume it if it holds a checkpoint, else start fresh
   (what SLURM requeues and torchrun restarts need). A Hydra multirun job and a SLURM batch job (whose run
@@ -19,6 +21,7 @@ project's, i.e. the packages under the current directory), unless `trust_saved_c
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib.resources
 import importlib.util
@@ -125,8 +128,24 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("hydra_subdir", hydra_subdir_resolver, replace=True)
 
 
+def never_saved(run_dir: Path) -> bool:
+    """Has no checkpoint of the run in `run_dir` ever been completed (at most a `NAME.tmp/` of a save cut short)?"""
+    try:
+        return all(name.endswith(".tmp") for name in os.listdir(run_dir / "checkpoints"))
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:
+        return False
+
+
+def finished_unsaved(run_dir: Path) -> bool:
+    """A run that finished (its summary.json) without saving a checkpoint (checkpoint=none): nothing to continue."""
+    return (run_dir / "summary.json").exists() and never_saved(run_dir)
+
+
 def find_checkpoint(resume: Optional[str], run_dir: Path) -> Optional[Any]:
-    """The checkpoint a run starts from, or None for a fresh start."""
+    """The checkpoint a run starts from, or None for a start from step 0: a fresh run, resume=auto without a
+    checkpoint, or resume=RUN_DIR of a run killed before its first one (`saved_run` gives its config)."""
     from framework.checkpoint import DamagedCheckpoint, find_latest, open_checkpoint  # torch: import late
 
     if not resume:
@@ -138,18 +157,59 @@ def find_checkpoint(resume: Optional[str], run_dir: Path) -> Optional[Any]:
         return found
     path = Path(resume)
     if not path.is_dir():
-        raise ConfigError(f"resume={resume!r}: no such directory; expected a run directory, a checkpoint "
-                          "directory (with meta.json) or 'auto'")
+        raise ConfigError(f"resume={resume!r}: {'not a directory' if path.exists() else 'no such directory'}; "
+                          "expected a run directory, a checkpoint directory (with meta.json) or 'auto'")
     if _is_checkpoint(path):
         try:
             return open_checkpoint(path)
         except DamagedCheckpoint as err:
             raise ConfigError(f"resume={resume!r}: {err}") from None
+    if not _is_run_dir(path):
+        raise ConfigError(f"resume={resume!r}: neither a run directory (it has no .hydra/ nor checkpoints/) nor a "
+                          "checkpoint directory (no meta.json); expected one of those, or 'auto'")
+    found = find_latest(path)
+    if found is not None:
+        return found
+    if not never_saved(path):
+        raise ConfigError(f"resume={resume!r}: no intact checkpoint under {path / 'checkpoints'} (each is named "
+                          "above, with what is wrong with it); expected a run with a checkpoint this version can "
+                          "restore")
+    if finished_unsaved(path):
+        raise ConfigError(f"resume={resume!r}: the run finished without saving a checkpoint (checkpoint.save_last="
+                          "false), so nothing of it can be continued; expected a new run in another directory")
+    log.info("resume=%s: the run saved no checkpoint before it stopped; starting it again from step 0 with its "
+             "saved config", resume)
+    return None
+
+
+def find_weights(init_from: str) -> str:
+    """What init_from=PATH loads, checked before anything is built so that its errors name the key: a checkpoint
+    directory (its layout; its files are verified as they are loaded), a run directory's newest intact checkpoint,
+    or a file, as it is (framework/checkpoint/weights.py reads it)."""
+    from framework.checkpoint import DamagedCheckpoint, UnreadableCheckpoint, find_latest, open_checkpoint
+
+    path, where = Path(init_from), f"init_from={init_from!r}"
+    expected = "expected a checkpoint directory, a run directory, a .safetensors file or a torch.save state dict"
+    if not path.exists():
+        raise ConfigError(f"{where}: no such file or directory; {expected}")
+    if not path.is_dir():
+        return init_from
+    if _is_checkpoint(path):
+        try:
+            open_checkpoint(path, verify=False)
+        except (DamagedCheckpoint, UnreadableCheckpoint) as err:
+            raise ConfigError(f"{where}: {err}") from None
+        return init_from
+    if not _is_run_dir(path):
+        raise ConfigError(f"{where}: a directory that is neither a checkpoint (no meta.json) nor a run directory "
+                          f"(no .hydra/ nor checkpoints/); {expected}")
     found = find_latest(path)
     if found is None:
-        raise ConfigError(f"resume={resume!r}: no intact checkpoint under {path / 'checkpoints'}; expected a run "
-                          "that saved at least one (checkpoint=default saves checkpoints/last every epoch)")
-    return found
+        raise ConfigError(f"{where}: a run directory with no intact checkpoint under {path / 'checkpoints'}; "
+                          "expected a run that saved one, a checkpoint directory, a .safetensors file or a "
+                          "torch.save state dict")
+    log.info("init_from=%s: its newest intact checkpoint, %s (step %d)", init_from, found.path, found.step)
+    return str(found.path)
 
 
 def fall_back(resume: Optional[str], failed: Any, err: Exception) -> Any:
@@ -273,6 +333,8 @@ def argv_with_saved_choices(argv: list[str], conf_dirs: list[Path], config_name:
     else:
         path = Path(resume)
         meta = _read_meta(path) if (path / "meta.json").exists() else _newest_meta(path)
+        if meta is None and _is_run_dir(path):  # a run that never saved a checkpoint: Hydra's record of it
+            meta = {"choices": _hydra_choices(path)}
     choices = (meta or {}).get("choices")
     if not isinstance(choices, dict):
         return argv
@@ -327,13 +389,10 @@ def _delete(cfg: DictConfig, key: str) -> None:
             del parent[name]
 
 
-def saved_choices(checkpoint: Any) -> dict[str, Optional[str]]:
-    """The group choices the checkpoint's run was composed with (format 2 keeps them in meta.json; older
-    checkpoints: the run directory's `.hydra/hydra.yaml`)."""
-    choices = checkpoint.meta.get("choices")
-    if isinstance(choices, dict):
-        return choices
-    path = checkpoint.path.parent.parent / ".hydra" / "hydra.yaml"
+def _hydra_choices(run_dir: Path) -> dict[str, Optional[str]]:
+    """The group choices Hydra recorded for the run in `run_dir` (`.hydra/hydra.yaml`), or {} without a readable
+    record."""
+    path = run_dir / ".hydra" / "hydra.yaml"
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode) or st.st_size > _META_MAX_BYTES:  # never block on a FIFO
@@ -344,47 +403,134 @@ def saved_choices(checkpoint: Any) -> dict[str, Optional[str]]:
     return OmegaConf.to_container(found) if isinstance(found, DictConfig) else {}
 
 
-def resumed_config(fresh: DictConfig, checkpoint: Any, choices: dict[str, Optional[str]],
+def saved_choices(checkpoint: Any) -> dict[str, Optional[str]]:
+    """The group choices the checkpoint's run was composed with (format 2 keeps them in meta.json; older
+    checkpoints: the run directory's `.hydra/hydra.yaml`)."""
+    choices = checkpoint.meta.get("choices")
+    return choices if isinstance(choices, dict) else _hydra_choices(checkpoint.path.parent.parent)
+
+
+@dataclasses.dataclass
+class SavedRun:
+    """What a resumed run's config starts from: a checkpoint's saved config (`state`: it brings the run's
+    training state, which no other model, optimizer or data option, seed or init_from can take), or the config
+    Hydra saved for a run killed before its first checkpoint, which starts again from step 0."""
+    resume: str  # the resume= value that names it, for messages
+    source: Path  # the checkpoint, or the run's .hydra/config.yaml
+    config: dict[str, Any]  # what is merged: a checkpoint's values as data, or Hydra's config as composed
+    values: dict[str, Any]  # the values the run had, to list what this command line changes
+    choices: dict[str, Optional[str]]
+    state: bool
+
+
+def saved_run(resume: Optional[str], checkpoint: Any) -> Optional[SavedRun]:
+    """The saved run a run's config comes from: the checkpoint it resumes from, or, for resume=RUN_DIR of a run
+    that never saved one (find_checkpoint found none), the config Hydra saved for it; None for a fresh start."""
+    if checkpoint is not None:
+        where = f"resume={str(checkpoint.path)!r}"
+        saved = checkpoint.meta.get("config")
+        if not isinstance(saved, dict) or not all(isinstance(k, str) for k in saved):
+            raise ConfigError(f"{where}: the checkpoint's saved config is not a mapping of keys; expected the "
+                              "config written by this framework")
+        return SavedRun(str(checkpoint.path), checkpoint.path, as_data(saved), saved, saved_choices(checkpoint), True)
+    if not resume or resume == AUTO or not _is_run_dir(Path(resume)):
+        return None
+    path = Path(resume) / ".hydra" / "config.yaml"
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _META_MAX_BYTES:  # never block on a FIFO
+            raise ValueError("not a regular file of sane size")
+        config: Any = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception as err:  # noqa: BLE001  (missing, unreadable, not YAML)
+        raise ConfigError(f"resume={resume!r}: the run saved no checkpoint, and the config Hydra saved for it "
+                          f"({path}) cannot be read ({str(err).splitlines()[0] if str(err) else type(err).__name__}); "
+                          "expected the run's .hydra/config.yaml, or a new run in another directory") from None
+    if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
+        raise ConfigError(f"resume={resume!r}: {path} is not a mapping of keys; expected the config Hydra saved "
+                          "for the run, or a new run in another directory")
+    try:  # its `${...}` resolved as in this job (the same run directory), only to list what changes
+        values: Any = OmegaConf.to_container(OmegaConf.create(config), resolve=True, enum_to_str=True)
+    except Exception:  # noqa: BLE001  (an unresolvable value is reported by the app's own check)
+        values = config
+    return SavedRun(resume, path, config, values, _hydra_choices(Path(resume)), False)
+
+
+def resumed_config(fresh: DictConfig, saved: SavedRun, choices: dict[str, Optional[str]],
                    task_overrides: list[str]) -> tuple[DictConfig, dict[str, Optional[str]]]:
-    """The checkpoint's saved config, with this command line's overrides (`task_overrides`) applied on top,
-    and the group choices it stands for.
+    """The saved run's config, with this command line's overrides (`task_overrides`) applied on top, and the
+    group choices it stands for.
 
     `fresh` is the config Hydra composed for this command line (its typed schemas and its values for the
     overridden keys); `choices` its group choices. Every key that differs from the saved run is listed."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    where = f"resume={str(checkpoint.path)!r}"
-    saved = checkpoint.meta.get("config")
-    if not isinstance(saved, dict) or not all(isinstance(k, str) for k in saved):
-        raise ConfigError(f"{where}: the checkpoint's saved config is not a mapping of keys; expected the "
-                          "config written by this framework")
-    old_choices = saved_choices(checkpoint)
     overrides = OverridesParser.create().parse_overrides([str(o) for o in task_overrides])
-    given = {override.key_or_group for override in overrides}
+    rechosen = _rechosen(saved, overrides, choices)
+    if saved.state:
+        given = {override.key_or_group for override in overrides}
+        for key, why in (("seed", "its random streams and data order are restored from the checkpoint"),
+                         ("init_from", "its weights come from the checkpoint")):
+            if key in given and fresh.get(key) != (None if key == "init_from" else saved.config.get(key)):
+                raise ConfigError(f"{key}={fresh.get(key)}: a resumed run cannot take it ({why}); expected no "
+                                  f"{key}= with resume= (start a new run for that)")
+    # A run that never saved has no weights of its own: its init_from is its config's, like any other key.
+    own = _NOT_FROM_SAVED if saved.state else tuple(k for k in _NOT_FROM_SAVED if k != "init_from")
+    merged = _merged(fresh, saved, rechosen, own)
+    for override in overrides:
+        key = override.key_or_group
+        if key in choices or key.startswith("hydra") or key in own \
+                or any(key.startswith(group + ".") for group in rechosen):
+            continue
+        if override.is_delete():
+            _delete(merged, key)
+        else:
+            OmegaConf.update(merged, key, _raw(fresh, key), merge=False, force_add=True)
+    for group in ("model", "optimizer") if saved.state else ():
+        old_target = (saved.config.get(group) or {}).get("_target_")
+        new_target = OmegaConf.select(merged, f"{group}._target_")
+        if old_target != new_target:
+            raise ConfigError(f"{group}._target_={new_target!r}: the run used {old_target!r}, and "
+                              f"{STATE_GROUPS[group]} cannot carry over on resume; expected {old_target!r}")
+    _report_changes(saved.values, merged, rechosen, saved.choices, choices)
+    kept = {group: option for group, option in saved.choices.items() if group not in rechosen}
+    return merged, {**choices, **kept}
+
+
+def _rechosen(saved: SavedRun, overrides: list[Any], choices: dict[str, Optional[str]]) -> list[str]:
+    """The groups this command line chose another option of. A checkpoint's model, optimizer and data state
+    cannot carry over to another option; a preset sets many groups at once, so it is never chosen again."""
     rechosen = []
     for override in overrides:
         group = override.key_or_group
         if group not in choices or group.startswith("hydra") or override.package:
             continue
-        old, new = old_choices.get(group, choices[group]), choices[group]
+        old, new = saved.choices.get(group, choices[group]), choices[group]
         if old == new:
             continue
-        if group in STATE_GROUPS:
+        if group in STATE_GROUPS and (saved.state or group == "experiment"):
             raise ConfigError(f"{group}={new}: the run used {group}={old}, and {STATE_GROUPS[group]} cannot carry "
-                              f"over to another option on resume; expected {group}={old} or no {group}= (to start "
-                              f"a new run from its weights, use init_from={checkpoint.path} without resume)")
+                              f"over to another option on resume; expected {group}={old} or no {group}="
+                              f"{_new_run_hint(saved, group, new)}")
         rechosen.append(group)
+    return rechosen
 
-    for key, why in (("seed", "its random streams and data order are restored from the checkpoint"),
-                     ("init_from", "its weights come from the checkpoint")):
-        if key in given and fresh.get(key) != (None if key == "init_from" else saved.get(key)):
-            raise ConfigError(f"{key}={fresh.get(key)}: a resumed run cannot take it ({why}); expected no {key}= "
-                              f"with resume= (start a new run for that)")
 
+def _new_run_hint(saved: SavedRun, group: str, new: Optional[str]) -> str:
+    """For another optimizer: the command of a new run that starts from the checkpoint's weights, with the run's
+    own preset and model (its weights fit no other; nor, in general, another data option's shapes)."""
+    if not saved.state or group != "optimizer":
+        return ""
+    command = [f"init_from={saved.source}"]
+    command += [f"{g}={saved.choices[g]}" for g in ("experiment", "model") if isinstance(saved.choices.get(g), str)]
+    return f" (for a new run from its weights instead: {' '.join([*command, f'{group}={new}'])}, without resume=)"
+
+
+def _merged(fresh: DictConfig, saved: SavedRun, rechosen: list[str], own: tuple[str, ...]) -> DictConfig:
+    """`fresh` with every key of the saved config but the rechosen groups' and this invocation's `own` keys."""
     merged = fresh.copy()
     with open_dict(merged):
-        for key, value in as_data(saved).items():
-            if key in rechosen or key in _NOT_FROM_SAVED:
+        for key, value in saved.config.items():
+            if key in rechosen or key in own:
                 continue
             try:
                 if key in merged and OmegaConf.get_type(merged, key) not in (dict, list, type(None)) \
@@ -394,26 +540,10 @@ def resumed_config(fresh: DictConfig, checkpoint: Any, choices: dict[str, Option
                 else:
                     merged[key] = value
             except Exception as err:  # noqa: BLE001  (omegaconf's validation and key errors)
-                raise ConfigError(f"{where}: its saved config does not fit this version at {key} "
+                raise ConfigError(f"resume={saved.resume!r}: its saved config does not fit this version at {key} "
                                   f"({str(err).splitlines()[0]}); expected a config this framework accepts "
                                   "(start a new run with init_from= for its weights)") from None
-    for override in overrides:
-        key = override.key_or_group
-        if key in choices or key.startswith("hydra") or key in _NOT_FROM_SAVED \
-                or any(key.startswith(group + ".") for group in rechosen):
-            continue
-        if override.is_delete():
-            _delete(merged, key)
-        else:
-            OmegaConf.update(merged, key, _raw(fresh, key), merge=False, force_add=True)
-    for group in ("model", "optimizer"):
-        old_target, new_target = (saved.get(group) or {}).get("_target_"), OmegaConf.select(merged, f"{group}._target_")
-        if old_target != new_target:
-            raise ConfigError(f"{group}._target_={new_target!r}: the run used {old_target!r}, and "
-                              f"{STATE_GROUPS[group]} cannot carry over on resume; expected {old_target!r}")
-    _report_changes(saved, merged, rechosen, old_choices, choices)
-    kept = {group: option for group, option in old_choices.items() if group not in rechosen}
-    return merged, {**choices, **kept}
+    return merged
 
 
 def _report_changes(saved: dict[str, Any], merged: DictConfig, rechosen: list[str],
