@@ -123,11 +123,13 @@ def _discard_attempt(started: bool) -> None:
 
 
 def _run(cfg: DictConfig, started: Optional[list] = None) -> Optional[float]:
-    """Validate, settle the config (a resumed run's is its checkpoint's), lock the run directory, train.
-    `started` gets an item once training is handed over (a later failure is no longer "refused at start")."""
+    """Validate, settle the config (a resumed run's is its checkpoint's), lock the run directory, train; after a
+    fast_dev_run, remove what it wrote. `started` gets an item once training is handed over (a later failure is
+    no longer "refused at start")."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    asked = cfg.resume  # the command line's own, before a requeued job's `auto`
     in_place = not cfg.resume and resume.continues_in_place(multirun, run_dir)
     if in_place:
         cfg.resume = resume.AUTO  # a requeued job continues from its own last checkpoint
@@ -138,8 +140,11 @@ def _run(cfg: DictConfig, started: Optional[list] = None) -> Optional[float]:
     held = rank_zero and str(hydra_cfg.output_subdir or "").startswith(".hydra/")  # a run was there before
     if held and not cfg.resume:
         raise ConfigError(_new_run_refused(run_dir))
+    before = rundir.entries(run_dir) if rank_zero else frozenset()
     with rundir.RunDirLock(run_dir) if rank_zero else contextlib.nullcontext():
-        cfg, summary = _train(cfg, run_dir, hydra_cfg, started, in_place=in_place)
+        cfg, summary = _train(cfg, run_dir, hydra_cfg, started, in_place=in_place, asked=asked, held=held)
+    if rank_zero and cfg.trainer.fast_dev_run and not multirun:  # a check of the code, not a run: keep nothing
+        rundir.discard_dev_run(run_dir, before)
     return summary.get(cfg.checkpoint.monitor or "val/acc")
 
 
@@ -151,10 +156,11 @@ def _new_run_refused(run_dir: Path) -> str:
     return f"{refused}; expected resume={run_dir} to continue it, or another directory"
 
 
-def _train(fresh: DictConfig, run_dir: Path, hydra_cfg: DictConfig, started: Optional[list], *,
-           in_place: bool) -> tuple[DictConfig, dict[str, Any]]:
+def _train(fresh: DictConfig, run_dir: Path, hydra_cfg: DictConfig, started: Optional[list], *, in_place: bool,
+           asked: Optional[str], held: bool) -> tuple[DictConfig, dict[str, Any]]:
     """Settle the config on the checkpoint it starts from (an older one where a newer does not restore), then
-    train, in this locked run directory; the config it ran with, and its summary."""
+    train, in this locked run directory; the config it ran with, and its summary. `asked`: the command line's
+    resume=; `held`: the directory held a run before this invocation."""
     from framework.checkpoint import DamagedCheckpoint  # torch: imported once the config is known good
 
     rank_zero = os.environ.get("RANK", "0") == "0"
@@ -172,6 +178,7 @@ def _train(fresh: DictConfig, run_dir: Path, hydra_cfg: DictConfig, started: Opt
                 raise ConfigError(f"{run_dir} already holds a run, which this job would continue (a sweep "
                                   f"directory used again, or a requeued job): {err}; for a new run, expected "
                                   "another hydra.sweep.dir") from None
+            _check_dev_run(cfg, asked, held, run_dir, hydra_cfg.mode == RunMode.MULTIRUN)
             params = sweep.hparams(cfg, choices, overrides)
             if rank_zero and recording is None:  # once the run is known to start: a refused one leaves nothing
                 recording = provenance.BackgroundWrite(run_dir, Path(hydra_cfg.runtime.cwd), overrides)
@@ -191,6 +198,19 @@ def _train(fresh: DictConfig, run_dir: Path, hydra_cfg: DictConfig, started: Opt
     finally:
         if recording is not None:
             recording.join()
+
+
+def _check_dev_run(cfg: DictConfig, asked: Optional[str], held: bool, run_dir: Path, multirun: bool) -> None:
+    """A fast_dev_run keeps nothing (its new run directory is removed at its end): it never runs where a run is."""
+    if not cfg.trainer.fast_dev_run:
+        return
+    if asked:
+        raise ConfigError(f"trainer.fast_dev_run=true: a dev run trains one batch and keeps nothing, so it cannot "
+                          f"continue a run (resume={asked}); expected trainer.fast_dev_run=false to continue it, or "
+                          "no resume= for a dev run of its own")
+    if held:
+        raise ConfigError(f"trainer.fast_dev_run=true: {run_dir} already holds a run, whose files a dev run would "
+                          f"overwrite; expected another {'hydra.sweep.dir' if multirun else 'hydra.run.dir'}")
 
 
 def _settled(cfg: DictConfig, choices: dict[str, Any], saved: Optional[resume.SavedRun], overrides: list[str],

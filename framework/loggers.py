@@ -95,8 +95,9 @@ def write_json(path: Path, data: Mapping[str, Any]) -> None:
 SUMMARY_LOGGER = "framework.summary"
 
 
-def print_summary(summary: Mapping[str, Any], run_dir: Path) -> None:
-    """The closing lines a user reads: final metrics, where the run is, how to look at it."""
+def print_summary(summary: Mapping[str, Any], run_dir: Path, kept: bool = True) -> None:
+    """The closing lines a user reads: final metrics, where the run is, how to look at it; or, for a run that
+    keeps nothing (`kept=False`: a fast_dev_run, whose run directory the app removes), that nothing was kept."""
     metrics = {k: v for k, v in summary.items() if "/" in k and isinstance(v, (int, float))}
     shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if not math.isnan(v))
     epochs = _count(summary["epoch"], "epoch")
@@ -106,8 +107,11 @@ def print_summary(summary: Mapping[str, Any], run_dir: Path) -> None:
              f"({summary['precision']}, world size {summary['world_size']})"]
     if shown:
         lines.append(f"  {shown}")
-    lines += [f"Run directory: {run_dir}", f"View it with:  tensorboard --logdir {_shell_path(run_dir)}   "
-                                            "(its CUSTOM SCALARS tab shows loss, metrics and LR first)"]
+    if kept:
+        lines += [f"Run directory: {run_dir}", f"View it with:  tensorboard --logdir {_shell_path(run_dir)}   "
+                                                "(its CUSTOM SCALARS tab shows loss, metrics and LR first)"]
+    else:
+        lines.append("fast_dev_run: nothing was kept (no checkpoint, no TensorBoard events, no run directory)")
     logger = logging.getLogger(SUMMARY_LOGGER)
     for line in lines:  # one record a line: each is a complete, prefixed line in run.log
         if logger.hasHandlers():

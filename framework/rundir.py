@@ -1,4 +1,5 @@
-"""One run per directory: the lock a run holds on its directory, and cleaning up after an attempt refused.
+"""One run per directory: the lock a run holds on its directory, and cleaning up after an attempt refused or a
+fast_dev_run (which keeps nothing).
 
 The lock is `fcntl.flock` on `RUN_DIR/.lock`, held for the life of the process: the kernel releases it when
 the process dies however it dies, so a lock left by a killed run is simply free again (no stale-PID
@@ -6,6 +7,7 @@ guessing). The file records the holder's PID and host for the error message of a
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -77,3 +79,29 @@ def discard_attempt(run_dir: Path, hydra_subdir: Optional[str], *, started: bool
     if {p.name for p in run_dir.iterdir()} <= {".hydra", "run.log", LOCK_FILE, *also}:
         _close_file_logs(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def entries(run_dir: Path) -> frozenset[str]:
+    """The names in `run_dir` now (none where it is missing): what a fast_dev_run must leave as it found it."""
+    try:
+        return frozenset(os.listdir(run_dir))
+    except OSError:
+        return frozenset()
+
+
+def discard_dev_run(run_dir: Path, before: Iterable[str]) -> None:
+    """Remove what a fast_dev_run wrote into `run_dir`, a directory that held no run: every entry that was not in
+    it `before` it started but Hydra's `.hydra/` and `run.log` (this invocation's own), then the directory itself
+    where nothing else is left. What was there before is not touched."""
+    kept = set(before) - {".hydra", "run.log"}
+    _close_file_logs(run_dir)
+    for entry in sorted(entries(run_dir) - kept):
+        path = run_dir / entry
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    if not kept:
+        with contextlib.suppress(OSError):
+            run_dir.rmdir()

@@ -1,7 +1,8 @@
 """No dead ends: a refusal names the key it came from, and the way forward it gives works when followed (each
 test here runs the command a refusal suggests, as a user would). A run killed before its first checkpoint
 continues with the resume=RUN_DIR its refusal names; an init_from= or resume= path that holds nothing to start
-from is one error naming the key (framework/app.py, framework/resume.py)."""
+from is one error naming the key; a fast_dev_run keeps nothing and never touches a run
+(framework/app.py, framework/resume.py, framework/rundir.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -229,3 +230,35 @@ def test_the_values_a_refusal_asks_for_are_the_ones_that_work(tmp_path):
     assert "set data.root=/path/to/data" in line
     make_mnist(tmp_path / "mnist")
     succeeded(run_cli(tmp_path / "d", *OWN, "data=mnist", f"data.root={tmp_path / 'mnist'}"))
+
+
+# --------------------------------------------------------------------------------------------------------- fast_dev_run
+def test_a_fast_dev_run_leaves_no_run_directory(tmp_path):
+    run_dir = tmp_path / "run"
+    succeeded(run_cli(run_dir, "trainer.fast_dev_run=true"))
+    assert not run_dir.exists()
+    # Into a folder that holds other things (not a run): only what the dev run wrote goes.
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    succeeded(run_cli(run_dir, "trainer.fast_dev_run=true"))
+    assert [p.name for p in run_dir.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.xfail(strict=True, reason="needs trainer.py to call print_summary(summary, run_dir, "
+                                       "kept=not self.fast_dev_run); framework/trainer.py is not this change's")
+def test_a_fast_dev_runs_closing_summary_says_nothing_was_kept(tmp_path):
+    text = succeeded(run_cli(tmp_path / "run", "trainer.fast_dev_run=true"))
+    assert "fast_dev_run: nothing was kept" in text and "Run directory:" not in text
+
+
+def test_a_fast_dev_run_never_touches_a_run_and_its_advice_works(finished_run, tmp_path):
+    run_dir = copy_of(finished_run, tmp_path)
+    before = fingerprint(run_dir)
+    line = one_error_line(run_cli(None, f"resume={run_dir}", "trainer.fast_dev_run=true", fast=False))
+    assert line.startswith("Error: trainer.fast_dev_run=true: ") and f"resume={run_dir}" in line, line
+    assert fingerprint(run_dir) == before and not list((run_dir / ".hydra").glob("resumed-*"))
+    assert "expected trainer.fast_dev_run=false to continue it, or no resume= for a dev run of its own" in line
+    succeeded(run_cli(None, f"resume={run_dir}", "trainer.fast_dev_run=false", "trainer.max_epochs=2", fast=False))
+    assert json.loads((run_dir / "summary.json").read_text())["step"] == 8
+    succeeded(run_cli(tmp_path / "dev", "trainer.fast_dev_run=true"))
+    assert not (tmp_path / "dev").exists()
