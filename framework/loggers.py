@@ -111,7 +111,8 @@ def print_summary(summary: Mapping[str, Any], run_dir: Path, kept: bool = True) 
         lines += [f"Run directory: {run_dir}", f"View it with:  tensorboard --logdir {_shell_path(run_dir)}   "
                                                 "(its CUSTOM SCALARS tab shows loss, metrics and LR first)"]
     else:
-        lines.append("fast_dev_run: nothing was kept (no checkpoint, no TensorBoard events, no run directory)")
+        lines.append("fast_dev_run: nothing was kept (no checkpoint, no TensorBoard events, and outside a sweep, whose "
+                     "summary reads it, no run directory)")
     logger = logging.getLogger(SUMMARY_LOGGER)
     for line in lines:  # one record a line: each is a complete, prefixed line in run.log
         if logger.hasHandlers():

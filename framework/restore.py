@@ -92,16 +92,24 @@ def load_test_weights(cfg: DictConfig, checkpoints: Any, strategy: Any, module: 
     if choice is None:
         choice = "best" if ck.monitor and ck.save_top_k != 0 and not cfg.trainer.fast_dev_run else "last"
     best = checkpoints.best_path() if strategy.is_rank_zero and choice == "best" else None
+    if best is not None and not best.is_dir():  # a run resumed into a new directory: its best is the old run's
+        best = None
     chosen = strategy.broadcast_object(str(best) if best is not None else None)
     if chosen is not None:
-        checkpoint = open_checkpoint(Path(chosen))
-        module.load_state_dict(checkpoint.model_state(strategy.mesh))
+        try:
+            checkpoint = open_checkpoint(Path(chosen))
+            weights = checkpoint.model_state(strategy.mesh)
+        except DamagedCheckpoint as err:  # the run itself is fine: its final weights are tested instead
+            if strategy.is_rank_zero:
+                log.warning("trainer.test_ckpt=best: %s; testing the final weights", err)
+            return "last (the best checkpoint is damaged)"
+        module.load_state_dict(weights)
         if strategy.is_rank_zero:
             log.info("Testing the best checkpoint's weights (step %d, %s)", checkpoint.step, chosen)
         return f"best (step {checkpoint.step})"
     if choice == "best":
         if strategy.is_rank_zero:
-            log.warning("trainer.test_ckpt=best: no best checkpoint was saved (no validation ran): testing the final "
-                        "weights")
+            log.warning("trainer.test_ckpt=best: no best checkpoint in this run directory (no validation ran, or the "
+                        "best is in the run this one was resumed from): testing the final weights")
         return "last (no best checkpoint was saved)"
     return "last"

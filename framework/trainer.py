@@ -123,7 +123,7 @@ class Trainer(Run):
                 self.strategy.teardown(finished)
             if self.strategy.is_rank_zero:
                 write_json(self.run_dir / "summary.json", summary)
-                print_summary(summary, self.run_dir)
+                print_summary(summary, self.run_dir, kept=not self.fast_dev_run)
         return summary
 
     def _start_hooks(self) -> None:

@@ -244,8 +244,6 @@ def test_a_fast_dev_run_leaves_no_run_directory(tmp_path):
     assert [p.name for p in run_dir.iterdir()] == ["notes.txt"]
 
 
-@pytest.mark.xfail(strict=True, reason="needs trainer.py to call print_summary(summary, run_dir, "
-                                       "kept=not self.fast_dev_run); framework/trainer.py is not this change's")
 def test_a_fast_dev_runs_closing_summary_says_nothing_was_kept(tmp_path):
     text = succeeded(run_cli(tmp_path / "run", "trainer.fast_dev_run=true"))
     assert "fast_dev_run: nothing was kept" in text and "Run directory:" not in text

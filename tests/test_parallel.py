@@ -87,7 +87,7 @@ def test_validation_metrics_are_exact_over_uneven_shards(compose, tmp_path):
     single = Trainer(job_cfg(compose, *shape), tmp_path / "single")
     assert len(single.data.datasets["val"]) == 271
     single.task.model.load_state_dict(weights)
-    local = single._evaluate("val")
+    local = single.evaluator.run("val", 0)
     assert reported["val/acc"] == pytest.approx(local["val/acc"], abs=1e-7)
     assert reported["val/loss"] == pytest.approx(local["val/loss"], rel=1e-5)
     assert reported["world_size"] == 2
