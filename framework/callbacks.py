@@ -39,10 +39,10 @@ log = logging.getLogger(__name__)
 
 # Every hook, in the order a run calls them. Per-step hooks are in STEP_HOOKS.
 HOOKS = ("setup", "on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_batch_start",
-         "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end",
+         "on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end",
          "on_train_epoch_end", "on_validation_start", "on_validation_end", "on_test_start", "on_test_end",
          "on_train_end", "on_fit_end", "on_exception")
-STEP_HOOKS = ("on_train_batch_start", "on_after_backward", "on_train_batch_end", "on_before_optimizer_step",
+STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end", "on_before_optimizer_step",
               "on_before_zero_grad")
 
 
@@ -64,6 +64,9 @@ class Callback:
     def on_train_batch_start(self, trainer: "Trainer", task: "Task", batch: Any, batch_idx: int) -> None:
         """Before each batch's training_step (each micro-batch when accumulating)."""
 
+    def on_before_backward(self, trainer: "Trainer", task: "Task", loss: Any) -> None:
+        """Before each batch's backward, with the loss backward is called on."""
+
     def on_after_backward(self, trainer: "Trainer", task: "Task") -> None:
         """After each batch's backward, before the optimizer step (gradients still scaled under fp16)."""
 
@@ -75,10 +78,12 @@ class Callback:
         """Before each optimizer step, with the true (unscaled, unclipped) gradients."""
 
     def on_before_zero_grad(self, trainer: "Trainer", task: "Task", optimizer: torch.optim.Optimizer) -> None:
-        """Right after each optimizer step, before the gradients are cleared (Lightning's order)."""
+        """Right after each optimizer step, before the gradients are cleared (Lightning clears them later, before
+        the next backward: the gradients are the same either way)."""
 
     def on_train_epoch_end(self, trainer: "Trainer", task: "Task") -> None:
-        """After each completed training epoch, before its validation."""
+        """After each completed training epoch and its validation, with the epoch's means in callback_metrics
+        (Lightning 2's order); current_epoch is still this epoch's."""
 
     def on_validation_start(self, trainer: "Trainer", task: "Task") -> None:
         """Before each validation (by epoch or by step)."""

@@ -71,6 +71,8 @@ class Evaluator:
         # A sharded model's forward gathers weights from every rank: a rank with fewer batches runs empty ones.
         rounds = max(self.strategy.gather_objects(batches)) if self.strategy.collective_forward else batches
         hook = "validation" if split == "val" else "test"
+        batch_start, batch_end = (getattr(self.task, f"on_{hook}_batch_{when}") if task_hooks.defines(
+            self.task, f"on_{hook}_batch_{when}") else None for when in ("start", "end"))
         wrapped = getattr(self.task, self.model_attr)
         setattr(self.task, self.model_attr, self.strategy.for_eval(wrapped))
         self.task.eval()
@@ -83,8 +85,13 @@ class Evaluator:
                 for i, batch in enumerate(itertools.islice(data, batches)):
                     batch = move_to(batch, self.device)
                     n = self.metric_logger.batch_n = self.task.batch_size(batch)
+                    if batch_start is not None:
+                        batch_start(batch, i)
                     with self.precision.autocast():
-                        out = as_step_output(step_fn(batch, i), where, training=False)
+                        returned = step_fn(batch, i)
+                    out = as_step_output(returned, where, training=False)
+                    if batch_end is not None:
+                        batch_end(returned, batch, i)
                     if out is not None:
                         for name, value in itertools.chain((("loss", out.loss),), out.metrics.items()):
                             weighted = value.detach().float() * n

@@ -252,6 +252,7 @@ class MetricLogger:
         self.epoch_hook = False  # a training epoch hook is running: self.log defaults to on_epoch there
         self.eval_log: Optional[EvalLog] = None  # what the task logs in the evaluation running now
         self.batch_n = 1  # samples in the batch being stepped: the weight of what the task logs
+        self.forbidden = ""  # the hook running now where self.log is refused (on_validation_end, ...)
         self._task: Optional[Callable[[], Optional[nn.Module]]] = None  # a weak reference: the task holds us
         self._paths: dict[int, str] = {}  # a logged Metric's path in the task, found once
         self._logged: dict[str, Any] = {}  # values given to Trainer.log(), written at the next logging step
@@ -287,8 +288,12 @@ class MetricLogger:
         name = stage_name(name, self.stage)
         if prog_bar:
             self.bar_names.add(name)
+        if self.forbidden:
+            raise ConfigError(f"task: self.log({name!r}, ...) in {self.forbidden}: Lightning does not allow it there "
+                              "either; expected it in a step or an epoch hook (on_validation_epoch_end, "
+                              "on_train_epoch_end)")
         if not logger:
-            self.hidden.add(name)
+            self.hidden.update((name, f"{name}_epoch"))
         weight = batch_size if batch_size is not None else self.batch_n
         if self.eval_log is not None:
             if tensor is None:
@@ -309,6 +314,15 @@ class MetricLogger:
                 self.window.epoch_metrics[epoch_name] = self._metric_path(value, name)
             else:
                 self.window.add(epoch_name, tensor, weight, fx)
+
+    @contextlib.contextmanager
+    def no_logging(self, hook: str) -> Iterator[None]:
+        """During `hook` (one Lightning allows no self.log in), what the task logs is refused."""
+        self.forbidden = hook
+        try:
+            yield
+        finally:
+            self.forbidden = ""
 
     @contextlib.contextmanager
     def evaluation(self, split: str) -> Iterator[EvalLog]:

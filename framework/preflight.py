@@ -17,16 +17,28 @@ from framework import reproducibility, task_hooks
 from framework.errors import ConfigError
 from framework.evaluate import Evaluator, move_to
 from framework.metric_logger import as_tensor
+from framework.state import TaskState
 from framework.task import StepOutput, Task, step_function, throwaway_copy
 
 log = logging.getLogger(__name__)
 
 
+class _Anything:
+    """Takes any call and does nothing: the check's TensorBoard writer (a step that logs an image works)."""
+
+    def __getattr__(self, _name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+class _QuietLogger:
+    experiment = _Anything()
+
+
 class CheckHandle:
     """What the task's `trainer` is during the check: its logs are names only, kept to check the monitors
-    against; it has no logger."""
+    against; its logger writes nothing."""
 
-    logger = None
+    logger = _QuietLogger()
     global_step = 0
     current_epoch = 0
     callback_metrics: dict[str, float] = {}
@@ -48,12 +60,16 @@ def check_first_batches(task: Task, model_attr: str, evaluator: Evaluator, monit
     wrapped, rng = getattr(task, model_attr), reproducibility.rng_state()
     plain = strategy.unwrap(wrapped)
     setattr(task, model_attr, plain)
-    handle, trainer = CheckHandle(strategy.is_rank_zero), task.trainer
+    handle, trainer, kept = CheckHandle(strategy.is_rank_zero), task.trainer, None
     try:
         shadow = throwaway_copy(task, plain, handle)
     except Exception as err:  # noqa: BLE001  (a task holding a lock or a file: checked in place)
-        log.debug("the task cannot be copied (%s: %s): its first batches are checked in place", type(err).__name__, err)
-        shadow, task.trainer = task, handle
+        if strategy.is_rank_zero:
+            log.warning("The task cannot be copied for the check of its first batches (%s: %s): it is checked in "
+                        "place; its metrics and buffers are put back after, its other attributes may keep a trace",
+                        type(err).__name__, err)
+        shadow, task.trainer, kept = task, handle, TaskState(task, model_attr, strategy)
+        saved = kept.local(hooks=False)
     shadow.eval()
     names: list[str] = []
     try:
@@ -74,6 +90,8 @@ def check_first_batches(task: Task, model_attr: str, evaluator: Evaluator, monit
                 names = _val_names(out, shadow, handle.names)
                 _check_monitors(task, monitors, names)
     finally:
+        if kept is not None:
+            kept.load_state_dict({"rank0": saved}, hooks=False)
         setattr(task, model_attr, wrapped)
         task.trainer = trainer
         task.train()

@@ -120,9 +120,10 @@ class TaskState:
         metrics = tuple(f"{path}." for path in self.metrics())
         return {name: b for name, b in self.task.named_buffers() if self._own(name) and not name.startswith(metrics)}
 
-    def local(self) -> dict[str, Any]:
+    def local(self, hooks: bool = True) -> dict[str, Any]:
+        """This rank's part; `hooks=False`: without calling the task's on_save_checkpoint (a snapshot, not a save)."""
         hook: dict[str, Any] = {}
-        if callable(getattr(self.task, "on_save_checkpoint", None)):
+        if hooks and callable(getattr(self.task, "on_save_checkpoint", None)):
             self.task.on_save_checkpoint(hook)
         return {"metrics": {path: metric_state(m) for path, m in self.metrics().items()},
                 "buffers": {name: b.detach().cpu() for name, b in self.buffers().items()}, "hook": hook}
@@ -147,7 +148,7 @@ class TaskState:
             if name in buffers:
                 validate_state(value, buffers[name].detach().cpu(), f"{where}/buffers/{name}")
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], hooks: bool = True) -> None:
         mine = self._mine(state)
         metrics, buffers = self.metrics(), self.buffers()
         for path, value in mine["metrics"].items():
@@ -158,9 +159,9 @@ class TaskState:
                 with torch.no_grad():
                     buffers[name].copy_(value)
         missing = [p for p in [*metrics, *buffers] if p not in mine["metrics"] and p not in mine["buffers"]]
-        if missing:
+        if missing and hooks:
             log.info("resume: the task's %s not in the checkpoint: they start fresh", ", ".join(missing))
-        if callable(getattr(self.task, "on_load_checkpoint", None)):
+        if hooks and callable(getattr(self.task, "on_load_checkpoint", None)):
             self.task.on_load_checkpoint(dict(mine["hook"]))
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -40,8 +41,20 @@ REDUCE_FX = ("mean", "sum", "max", "min")
 
 @dataclass
 class StepOutput:
+    """A step's loss and batch metrics. It reads as Lightning's step output dict too (`outputs["loss"]` in
+    on_train_batch_end), each metric by its name."""
+
     loss: torch.Tensor
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.loss if key == "loss" else self.metrics[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key == "loss" or key in self.metrics
+
+    def keys(self) -> list[str]:
+        return ["loss", *self.metrics]
 
 
 class AttributeDict(dict):
@@ -115,6 +128,13 @@ class Task(nn.Module):
         """The run's TensorBoard logger (`self.logger.experiment` is the SummaryWriter, for images, histograms
         and text; None on ranks other than 0 and when TensorBoard is off), or None outside a run."""
         return self.trainer.logger if self.trainer is not None else None
+
+    @property
+    def device(self) -> torch.device:
+        """Lightning's `self.device`: where the task's parameters (else its buffers) are; the CPU without any."""
+        for tensor in itertools.chain(self.parameters(), self.buffers()):
+            return tensor.device
+        return torch.device("cpu")
 
     @property
     def global_step(self) -> int:

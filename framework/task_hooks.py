@@ -53,6 +53,7 @@ _CALLED: dict[str, tuple[str, Callable[..., tuple]]] = {
     "on_train_start": ("on_train_start", lambda: ()),
     "on_train_epoch_start": ("on_train_epoch_start", lambda: ()),
     "on_train_batch_start": ("on_train_batch_start", lambda batch, batch_idx: (batch, batch_idx)),
+    "on_before_backward": ("on_before_backward", lambda loss: (loss,)),
     "on_after_backward": ("on_after_backward", lambda: ()),
     "on_before_optimizer_step": ("on_before_optimizer_step", lambda optimizer: (optimizer,)),
     "on_before_zero_grad": ("on_before_zero_grad", lambda optimizer: (optimizer,)),
@@ -69,7 +70,8 @@ _CALLED: dict[str, tuple[str, Callable[..., tuple]]] = {
 # Called by the trainer itself: setup("fit") once the task is built, before the model is placed, compiled or wrapped
 # (as Lightning does, so parameters made there are trained); evaluation's epoch hooks; checkpoint hooks.
 _OTHERS = ("setup", "teardown", "on_validation_epoch_start", "on_validation_epoch_end", "on_test_epoch_start",
-           "on_test_epoch_end", "on_save_checkpoint", "on_load_checkpoint")
+           "on_test_epoch_end", "on_validation_batch_start", "on_validation_batch_end", "on_test_batch_start",
+           "on_test_batch_end", "on_save_checkpoint", "on_load_checkpoint")
 CALLED = tuple(sorted({name for name, _ in _CALLED.values()} | set(_OTHERS)))
 
 

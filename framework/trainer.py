@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 def train(cfg: DictConfig, run_dir: Path, resume_from: Union[None, Path, Checkpoint] = None,
           hparams: Optional[dict[str, Any]] = None, choices: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Build the Trainer and fit: the one place a run is started, in this process or in a spawned worker."""
-    allocator.keep_freed_memory()  # each step reuses the memory the last one freed (framework/allocator.py)
-    _import_torch_dynamo()
+    if cfg.trainer.malloc_tuning:
+        allocator.keep_freed_memory()  # each step reuses the memory the last one freed (framework/allocator.py)
     checkpoint = open_checkpoint(resume_from) if isinstance(resume_from, Path) else resume_from
     trainer = Trainer(cfg, run_dir, resume_from=checkpoint, hparams=hparams, choices=choices)
     try:
@@ -54,23 +54,6 @@ def train(cfg: DictConfig, run_dir: Path, resume_from: Union[None, Path, Checkpo
         trainer.data.close()  # see DataModule.close
         del trainer
         gc.collect()  # what user code may still have tied in cycles (a callback holding the trainer)
-
-
-def _import_torch_dynamo() -> None:
-    """torch.optim imports torch._dynamo with a process's first optimizer: ~1 s and ~250k objects that live as
-    long as the process. Imported here instead, before anything of the run exists, with the cyclic collector
-    off (the dozens of collections the import triggers each scanned the whole heap: ~0.1-0.2 s of start-up),
-    then frozen with all that is alive: no later collection scans it again. Once per process."""
-    if "torch._dynamo" in sys.modules:
-        return
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        import torch._dynamo  # noqa: F401
-    finally:
-        if enabled:
-            gc.freeze()
-            gc.enable()
 
 
 def _max_memory_mb(device: torch.device) -> float:
@@ -127,11 +110,16 @@ class Trainer(Run):
         return summary
 
     def _start_hooks(self) -> None:
-        self.callbacks.call("on_fit_start", self, self.task)
+        self._quiet_hook("on_fit_start")
         self._epoch_hook("on_train_start")
         if self._saved_task_state is not None:  # after the hooks: a reset there (as lightning-hydra-template
             self.task_state.load_state_dict(self._saved_task_state)  # does) keeps the resume exact
             self._saved_task_state = None
+
+    def _quiet_hook(self, hook: str, *args: Any) -> None:
+        """A hook Lightning allows no self.log in (on_fit_start/_end, on_train_end, on_validation_end, on_test_end)."""
+        with self.metric_logger.no_logging(hook):
+            self.callbacks.call(hook, self, self.task, *args)
 
     def _epoch_hook(self, hook: str) -> None:
         """A training hook outside any step: what the task logs in it is an epoch value, as in Lightning."""
@@ -153,14 +141,14 @@ class Trainer(Run):
         if self.checkpoints.save_last and self.checkpoints.saved_step != p.step:
             self.checkpoints.save(self.state, p.step, periodic=False)
         self.checkpoints.writer.close()  # every checkpoint on disk before the summary names them
-        self.callbacks.call("on_train_end", self, self.task)
+        self._quiet_hook("on_train_end")
         if self.cfg.trainer.test and self.data.has("test"):
             self._test()
         summary = self._summary(time.perf_counter() - start)
         self.logger.log_metrics({k: v for k, v in summary.items() if k.startswith("best/")}, p.step)
         if self.hparams:
             self.logger.end_hparams_session()
-        self.callbacks.call("on_fit_end", self, self.task)
+        self._quiet_hook("on_fit_end")
         return summary
 
     @contextlib.contextmanager
@@ -178,28 +166,33 @@ class Trainer(Run):
                             f"printed above; what was already written in {self.run_dir} is kept") from err
 
     def _end_epoch(self) -> None:
-        """A completed epoch: its callbacks, its means, validation (by epoch, or by step when this step is due),
-        the epoch scheduler, then the checkpoint policies (periodic, top-k, last)."""
+        """A completed epoch, in Lightning 2's order: its means (callbacks see them), validation (by epoch, or by
+        step when this step is due), then on_train_epoch_end (current_epoch still this epoch's), then the epoch
+        counts as complete: the epoch scheduler and the checkpoint policies (periodic, top-k, last)."""
         p = self.progress
-        p.epoch += 1
-        p.batch_in_epoch = 0
-        self._epoch_hook("on_train_epoch_end")
         lrs = {f"lr/{name}": group["lr"] for name, group in zip(self.param_group_names, self.optimizer.param_groups)
                if p.step % self.log_every_n_steps}  # a point every epoch, unless this step's logging wrote one
         train = self.metric_logger.end_epoch(self.task, p.step, lrs)
-        by_step = self.cfg.trainer.val_every_n_steps > 0 and p.step % self.cfg.trainer.val_every_n_steps == 0
-        due = p.epoch % self.cfg.trainer.val_every_n_epochs == 0 or by_step
+        t = self.cfg.trainer
+        due = (p.epoch + 1) % t.val_every_n_epochs == 0 or (t.val_every_n_steps > 0 and p.step % t.val_every_n_steps == 0)
         val = self._validation_round() if self.data.has("val") and due and p.last_val_step != p.step else None
-        started, first_step = self._started_at
-        total = self.max_steps if self.max_steps > 0 else self.max_epochs * self.steps_per_epoch
-        elapsed = time.perf_counter() - started
-        eta = elapsed / (p.step - first_step) * max(0, total - p.step) if p.step > first_step else None
-        self.metric_logger.report_epoch(p.step, train, val, self._epoch_rate, eta)
+        self._epoch_hook("on_train_epoch_end")
+        train.update(self.metric_logger.end_epoch(self.task, p.step, {}))  # what the hooks logged
+        p.epoch += 1
+        p.batch_in_epoch = 0
+        self._report_epoch(train, val)
         s = self.scheduler  # the one place an unmonitored epoch scheduler steps: every `frequency` completed epochs
         if s is not None and s.interval == "epoch" and s.monitor is None and p.epoch % s.frequency == 0:
             s.scheduler.step()
         periodic = self.checkpoints.due_periodic(p.step, completed_epochs=p.epoch)
         self.checkpoints.save(self.state, p.step, periodic=periodic, metrics=val)
+
+    def _report_epoch(self, train: dict[str, float], val: Optional[dict[str, float]]) -> None:
+        started, first_step = self._started_at
+        p, total = self.progress, self.max_steps if self.max_steps > 0 else self.max_epochs * self.steps_per_epoch
+        eta = (time.perf_counter() - started) / (p.step - first_step) * max(0, total - p.step) \
+            if p.step > first_step else None
+        self.metric_logger.report_epoch(p.step, train, val, self._epoch_rate, eta)
 
     def _on_exception(self, err: BaseException) -> None:
         """On the way out of a failed or stopped run: the callbacks hear of it, and a save still in flight is
@@ -241,8 +234,8 @@ class Trainer(Run):
         to_device = None if self.device.type == "cpu" else move_to  # batches are made on the CPU
         no_sync = self.strategy.no_sync(self.model) if self.accumulate > 1 else None
         plain = contextlib.nullcontext()
-        batch_start, after_backward, batch_end = (self.callbacks.bound(hook) for hook in (
-            "on_train_batch_start", "on_after_backward", "on_train_batch_end"))
+        batch_start, before_backward, after_backward, batch_end = (self.callbacks.bound(hook) for hook in (
+            "on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end"))
         accumulate, train_batches = self.accumulate, self.train_batches
         clock = time.perf_counter
         epoch_start, samples, first_batch, data_wait = clock(), 0, p.batch_in_epoch, 0.0
@@ -264,6 +257,8 @@ class Trainer(Run):
                     out = training_step(batch, p.batch_in_epoch)
                 if type(out) is not StepOutput:  # a loss tensor or a dict with "loss", as in Lightning
                     out = as_step_output(out, where, training=True)
+                if before_backward is not None:
+                    before_backward(self, task, out.loss)
                 precision.backward(out.loss / accumulate if accumulate > 1 else out.loss)
             if after_backward is not None:
                 after_backward(self, task)
@@ -355,7 +350,7 @@ class Trainer(Run):
             self.metrics[f"best/{name}"] = min(best, value) if lower else max(best, value)
         self.progress.last_val_step = self.progress.step
         self.progress.validations += 1
-        self.callbacks.call("on_validation_end", self, self.task, metrics)
+        self._quiet_hook("on_validation_end", metrics)
         return metrics
 
     def _check_first_validation(self, metrics: dict[str, float]) -> None:
@@ -381,4 +376,4 @@ class Trainer(Run):
         self.tested = load_test_weights(self.cfg, self.checkpoints, self.strategy, self.module)
         self.callbacks.call("on_test_start", self, self.task)
         metrics = self.evaluator.run("test", self.progress.step)
-        self.callbacks.call("on_test_end", self, self.task, metrics)
+        self._quiet_hook("on_test_end", metrics)
