@@ -14,7 +14,6 @@ import gc
 import itertools
 import logging
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
@@ -65,6 +64,21 @@ def _max_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+@contextlib.contextmanager
+def _anomaly_as_error(enabled: bool, progress: Any, run_dir: Path) -> Iterator[None]:
+    """Under trainer.detect_anomaly, the op whose backward made a NaN is one Error: line (anomaly mode has printed
+    the forward's traceback that created it just before), not a traceback from inside backward."""
+    try:
+        yield
+    except RuntimeError as err:
+        if not enabled or "nan values" not in str(err):
+            raise
+        p = progress
+        raise UserError(f"trainer.detect_anomaly: {error_line(err).rstrip('.')} at step {p.step + 1} (epoch "
+                        f"{p.epoch}, batch {p.batch_in_epoch}); the forward that made it is in the traceback printed "
+                        f"above; what was already written in {run_dir} is kept") from err
+
+
 class Trainer(Run):
     """Runs fit -> validate -> test on the parts its Run built."""
 
@@ -87,7 +101,8 @@ class Trainer(Run):
         with watch:
             try:
                 self._start_hooks()
-                with torch.autograd.set_detect_anomaly(self.cfg.trainer.detect_anomaly), self._anomaly_as_error():
+                anomaly = self.cfg.trainer.detect_anomaly
+                with torch.autograd.set_detect_anomaly(anomaly), _anomaly_as_error(anomaly, self.progress, self.run_dir):
                     while not self._finished():
                         self._train_epoch(watch)
                         if self.progress.batch_in_epoch >= self.train_batches:  # a whole epoch, not a stop mid-epoch
@@ -150,20 +165,6 @@ class Trainer(Run):
             self.logger.end_hparams_session()
         self._quiet_hook("on_fit_end")
         return summary
-
-    @contextlib.contextmanager
-    def _anomaly_as_error(self) -> Iterator[None]:
-        """Under trainer.detect_anomaly, the op whose backward made a NaN is one Error: line (anomaly mode has
-        printed the forward's traceback that created it just before), not a traceback from inside backward."""
-        try:
-            yield
-        except RuntimeError as err:
-            if not self.cfg.trainer.detect_anomaly or "nan values" not in str(err):
-                raise
-            p = self.progress
-            raise UserError(f"trainer.detect_anomaly: {error_line(err).rstrip('.')} at step {p.step + 1} (epoch "
-                            f"{p.epoch}, batch {p.batch_in_epoch}); the forward that made it is in the traceback "
-                            f"printed above; what was already written in {self.run_dir} is kept") from err
 
     def _end_epoch(self) -> None:
         """A completed epoch, in Lightning 2's order: its means (callbacks see them), validation (by epoch, or by
