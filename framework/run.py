@@ -162,6 +162,12 @@ class Run:
     def should_stop(self) -> bool:
         return bool(self.stop.reason)
 
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        """Lightning's `trainer.should_stop = True` from a callback: request_stop without a reason of its own."""
+        if value:
+            self.stop.request("a callback set trainer.should_stop")
+
     @property
     def stop_reason(self) -> str:
         return self.stop.reason
