@@ -53,6 +53,8 @@ class TrainerConfig:
     deterministic: bool = False
     compile: bool = False
     device: str = "auto"
+    # glibc malloc with fixed thresholds, so a step's freed tensors serve the next step (framework/allocator.py)
+    malloc_tuning: bool = True
 
 
 @dataclass
