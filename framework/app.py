@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import Container, DictConfig, ListConfig, Node, OmegaConf
+from omegaconf import Container, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework import __version__, config, provenance, resume, rundir, sweep
@@ -37,33 +37,35 @@ resume.register_resolvers()
 sweep.register_resolvers()
 
 
-def _nodes(container: Container, key: str = "") -> Iterator[tuple[str, Container, Any, Node]]:
-    """Every node under `container` as (full key, parent, name in parent, node), without resolving anything."""
+def _nodes(container: Container, key: str = "") -> Iterator[tuple[str, Container, Any]]:
+    """Every node under `container` as (full key, parent, name in parent), without resolving anything."""
     names: Iterable[Any] = range(len(container)) if isinstance(container, ListConfig) else container.keys()
     for name in names:
-        node = container._get_node(name)
         full_key = f"{key}[{name}]" if isinstance(container, ListConfig) else f"{key}.{name}" if key else str(name)
-        yield full_key, container, name, node
-        if isinstance(node, Container) and not (node._is_missing() or node._is_none() or node._is_interpolation()):
-            yield from _nodes(node, full_key)
+        yield full_key, container, name
+        if not (OmegaConf.is_missing(container, name) or OmegaConf.is_interpolation(container, name)):
+            child = container[name]  # neither missing nor an interpolation: reading it resolves nothing
+            if isinstance(child, Container):
+                yield from _nodes(child, full_key)
 
 
 def resolve_all(cfg: DictConfig) -> None:
     """Report every `???` left unset, then the first interpolation that does not resolve, by their keys,
     before anything runs (a missing value would otherwise surface as the key of whatever interpolates it)."""
     nodes = list(_nodes(cfg))
-    missing = [key for key, _, _, node in nodes if node._is_missing() and not node._is_interpolation()]
+    missing = [key for key, parent, name in nodes if OmegaConf.is_missing(parent, name)]
     if missing:
         unset = ", ".join(f"{key}=???" for key in missing)
         example = " ".join(f"{key}=VALUE" for key in missing)
         raise ConfigError(f"{unset}: no value given (??? marks a value you must set); "
                           f"expected a value on the command line, e.g. {example}")
-    for key, parent, name, node in nodes:
-        if node._is_interpolation():
+    for key, parent, name in nodes:
+        if OmegaConf.is_interpolation(parent, name):
             try:
                 parent[name]  # reading a node resolves it
             except OmegaConfBaseException as err:
-                raise ConfigError(f"{key}={node._value()!r} cannot be resolved: {str(err).splitlines()[0]}; "
+                written = OmegaConf.to_container(parent, resolve=False)[name]
+                raise ConfigError(f"{key}={written!r} cannot be resolved: {str(err).splitlines()[0]}; "
                                   "expected ${other.key} naming a key that exists, or a registered resolver "
                                   "such as ${oc.env:NAME}") from None
 

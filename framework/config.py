@@ -17,7 +17,7 @@ from enum import Enum
 from typing import Any, Optional, Union
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, ListConfig
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from framework.errors import ConfigError
 from framework.signals import DEFAULT_SIGNALS, parse as parse_signal
@@ -323,7 +323,7 @@ def check_closed_keys(cfg: DictConfig) -> None:
         for name in node:
             if name not in known:
                 key = f"{group}.{name}" if group else str(name)
-                value = node._get_node(name)._value()
+                value = OmegaConf.to_container(node, resolve=False)[name]  # as written: ${...} unresolved
                 raise ConfigError(f"{key}={value!r}: {group or 'the root config'} has no key '{name}'; "
                                   f"{key_hint(key, value)}expected one of: {', '.join(sorted(known))}")
 

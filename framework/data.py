@@ -143,9 +143,14 @@ class DataModule:
             if tensors is not None and self.loader_options["num_workers"] == 0 and self.collate_fn is None:
                 loader: Iterable = TensorBatches(tensors, sampler, batch_size, drop_last)
             else:
-                loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
-                                    generator=generator(seed), collate_fn=self.collate_fn, **self.loader_options)
+                loader = self._data_loader(split, sampler)
             self._loaders[split] = (sampler, loader)
+
+    def _data_loader(self, split: str, sampler: EpochSampler) -> DataLoader:
+        train = split == "train"
+        return DataLoader(self.datasets[split], batch_size=self.batch_size if train else self.eval_batch_size,
+                          sampler=sampler, drop_last=self.drop_last and train, generator=generator(sampler.seed),
+                          collate_fn=self.collate_fn, **self.loader_options)
 
     def batches(self, split: str, epoch: int = 0, start_batch: int = 0) -> Iterable:
         """The batches of `split` for `epoch`, skipping the first `start_batch` ones without loading them."""
@@ -169,15 +174,12 @@ class DataModule:
                               f"{FULL_ERROR_HINT}") from err
 
     def close(self) -> None:
-        """Stop the persistent worker processes now. Left to the garbage collector (the loaders sit in the
-        trainer's reference cycles), the iterator's queues are finalized before it asks its workers to exit, and
-        each worker is waited for its full 5 s join timeout: 20 s at the end of a run with train and val loaders
-        of 2 workers. torch has no public call for it; Lightning's teardown does the same."""
-        for _, loader in self._loaders.values():
-            iterator = getattr(loader, "_iterator", None)
-            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-                iterator._shutdown_workers()
-                loader._iterator = None
+        """Stop the persistent worker processes now, each asked to exit and joined (exit code 0), rather than when
+        the process ends. A DataLoader's workers live as long as it does (torch's `persistent_workers`), so each
+        is dropped for a new one, which starts its own workers if it is used again."""
+        for split, (sampler, loader) in list(self._loaders.items()):
+            if isinstance(loader, DataLoader) and loader.persistent_workers:
+                self._loaders[split] = (sampler, self._data_loader(split, sampler))
 
     def num_batches(self, split: str) -> int:
         """Batches in one full epoch of `split` on this rank."""

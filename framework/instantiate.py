@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import logging
 import math
 import re
 import types
@@ -17,15 +18,31 @@ import typing
 from typing import Any, Callable, Iterable
 
 import hydra.utils
-from hydra._internal.utils import _locate  # what `instantiate` resolves targets with; the public
-# `hydra.utils.get_object` also logs a multi-line error of its own before raising
 from hydra.errors import InstantiationException
-from omegaconf import DictConfig, ListConfig, Node, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from framework.errors import ConfigError, UserError
 
 _RESERVED = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
 FULL_ERROR_HINT = "(HYDRA_FULL_ERROR=1 shows the traceback)"
+_HYDRA_UTILS_LOG = logging.getLogger("hydra.utils")
+
+
+def _silent(record: logging.LogRecord) -> bool:
+    return False
+
+
+def import_object(path: str) -> Any:
+    """The object a dotted path names, found as `instantiate` finds a `_target_` (Hydra's `get_object`).
+
+    Raises what Hydra's locator raises (ImportError or ValueError; its cause says what is missing). Hydra also
+    logs that error, over several lines, before raising it: the caller reports it in one line of its own, so
+    that record is not let through (a filter on Hydra's logger for the duration of the call)."""
+    _HYDRA_UTILS_LOG.addFilter(_silent)
+    try:
+        return hydra.utils.get_object(path)
+    finally:
+        _HYDRA_UTILS_LOG.removeFilter(_silent)
 
 
 def locate(target: Any, key: str) -> Any:
@@ -34,7 +51,7 @@ def locate(target: Any, key: str) -> Any:
         raise ConfigError(f"{key}._target_={target!r}: expected a dotted path to a class or function, "
                           "e.g. torch.nn.Linear")
     try:
-        return _locate(target)
+        return import_object(target)
     except Exception as err:  # ImportError or ValueError from Hydra's locator; the cause says what is missing
         raise ConfigError(f"{key}._target_={target!r} cannot be imported: {error_line(err.__cause__ or err)}; "
                           "expected a dotted path to a class or function, e.g. torch.nn.Linear") from None
@@ -75,8 +92,8 @@ def check(node: Any, key: str, provided: Iterable[str] = ()) -> None:
     if not isinstance(node, DictConfig):
         return
     for name in node:
-        if name not in _RESERVED:
-            check(node._get_node(name), f"{key}.{name}")
+        if name not in _RESERVED and not (OmegaConf.is_missing(node, name) or OmegaConf.is_interpolation(node, name)):
+            check(node[name], f"{key}.{name}")
     target = node.get("_target_")
     if target is None:
         return
@@ -230,20 +247,20 @@ def _failure(node: DictConfig, key: str, err: InstantiationException) -> ConfigE
 def _failure_message(node: DictConfig, key: str, target: Any, err: BaseException) -> str:
     """`KEY: TARGET(arg=value, ...) raised Error: message`, with the node's plain values (not nested objects)."""
     args = ", ".join(f"{name}={node[name]!r}" for name in node
-                     if name not in _RESERVED and _is_plain(node._get_node(name)))
+                     if name not in _RESERVED and _is_plain(node[name]))
     return f"{key}: {target}({args}) raised {error_line(err)}; expected values it accepts {FULL_ERROR_HINT}"
 
 
-def _is_plain(node: Node) -> bool:
+def _is_plain(value: Any) -> bool:
     """A scalar, None, or a list of scalars: short enough to show in a one-line message."""
-    if isinstance(node, ListConfig) and not node._is_none():
-        return all(not OmegaConf.is_config(item) for item in node)
-    return not isinstance(node, DictConfig) or node._is_none()
+    if isinstance(value, ListConfig):
+        return all(not OmegaConf.is_config(item) for item in value)
+    return not isinstance(value, DictConfig)
 
 
 def _raw(node: DictConfig, name: str) -> Any:
-    """The value as the user wrote it (an interpolation stays `${...}`), for messages."""
-    return node._get_node(name)._value()
+    """`node.name` as the user wrote it (an interpolation stays `${...}`, a missing value `???`), for messages."""
+    return OmegaConf.to_container(node, resolve=False)[name]
 
 
 def error_line(err: BaseException) -> str:

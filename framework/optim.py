@@ -205,7 +205,9 @@ def apply_changed_options(optimizer: torch.optim.Optimizer, scheduler: Optional[
                           configured: list[dict[str, Any]], changed: set[str]) -> None:
     """After a restore, make the options the config changed take effect: the restored optimizer state would
     otherwise win. `configured` are the groups as this config built them. A new `lr` rescales what the
-    schedule has reached (and what it scales from), so the run goes on along the same curve at the new base."""
+    schedule has reached (and what it scales from), so the run goes on along the same curve at the new base.
+    The groups' `lr` is what the next step uses; the scheduler's `get_last_lr()` reports the lrs it last computed
+    itself until its next step, as after any change torch's documentation leaves to the user."""
     lr_keys = ("lr", "initial_lr", "max_lr", "min_lr")
     for i, (group, fresh) in enumerate(zip(optimizer.param_groups, configured)):
         keys = set(fresh) - {"params", "param_names", "name", "initial_lr"} if "*" in changed else changed
@@ -223,8 +225,6 @@ def apply_changed_options(optimizer: torch.optim.Optimizer, scheduler: Optional[
                 group["initial_lr"] = new_base
             if scheduler is not None and hasattr(scheduler.scheduler, "base_lrs"):
                 scheduler.scheduler.base_lrs[i] = new_base
-    if scheduler is not None and hasattr(scheduler.scheduler, "_last_lr"):
-        scheduler.scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def group_names(optimizer: torch.optim.Optimizer) -> list[str]:

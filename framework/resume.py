@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from framework.errors import ConfigError
 
@@ -375,10 +375,7 @@ def _raw(cfg: DictConfig, key: str) -> Any:
     parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
     if not isinstance(parent, DictConfig) or name not in parent:
         return OmegaConf.select(cfg, key)
-    node = parent._get_node(name)
-    if isinstance(node, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(node, resolve=False)
-    return node._value()
+    return OmegaConf.to_container(parent, resolve=False)[name]
 
 
 def _delete(cfg: DictConfig, key: str) -> None:
