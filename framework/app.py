@@ -237,8 +237,8 @@ def _settled(cfg: DictConfig, choices: dict[str, Any], saved: Optional[resume.Sa
 
 
 def _conf_dirs(hydra_cfg: DictConfig) -> list[Path]:
-    """The config trees this run was composed from: the user's (conf/, --config-dir) and the framework's
-    (pkg://framework.conf), not Hydra's own."""
+    """The config trees this run was composed from: the user's (conf/, --config-dir) and the framework's, not
+    Hydra's own."""
     found = (resume.source_dir(source.path, source.schema) for source in hydra_cfg.runtime.config_sources
              if source.provider != "hydra" and source.path)
     return [folder for folder in found if folder is not None]

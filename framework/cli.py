@@ -2,7 +2,7 @@
 
 `main` is `htf`, `python -m framework` and this repository's run.py alike. Hydra's main config path is the
 user's config tree, `--config-dir DIR` (or `--config-path DIR`, from the current directory); the framework's own
-tree (pkg://framework.conf) comes after it, so a primary config or option of the user's wins over the
+tree (the conf/ shipped with the framework package this process imported) comes after it, so a primary config or option of the user's wins over the
 framework's of the same name, and without one the framework's conf/config.yaml runs. A user's primary config
 starts from the framework's defaults with `defaults: [htf, _self_, ...]`. `--version` prints the version. Before
 Hydra starts: the current directory's packages become importable (the user's models and data sets, as under
@@ -78,7 +78,7 @@ def _main() -> None:
     name = _option(sys.argv[1:], _CONFIG_NAME) or "config"
     sys.argv = resume.argv_with_saved_choices(sys.argv, [*trees, resume.framework_conf_dir()], name)  # resume=...
     _compose_once()
-    run(hydra.main(version_base="1.3", config_path=resume.framework_conf(), config_name="config")(_job))
+    run(hydra.main(version_base="1.3", config_path=str(resume.framework_conf_dir()), config_name="config")(_job))
 
 
 def _job(cfg: DictConfig) -> Any:
@@ -138,7 +138,7 @@ class FrameworkConfigs(SearchPathPlugin):
     `main` in its own process: other Hydra applications in the same environment never see it."""
 
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
-        tree = resume.framework_conf()
+        tree = str(resume.framework_conf_dir())
         if resume.source_dir(tree) not in {resume.source_dir(e.path) for e in search_path.get_path() if e.path}:
             search_path.append("framework", tree)
 

@@ -45,8 +45,6 @@ STATE_GROUPS = {"model": "its weights", "optimizer": "its optimizer state", "dat
                 "experiment": "a preset sets many groups at once"}
 _NOT_FROM_SAVED = ("resume", "init_from", "trust_saved_config")  # this invocation's own, never the saved run's
 _META_MAX_BYTES = 64 * 2**20
-# The framework's config tree as installed: pyproject.toml maps the repository's conf/ to this package.
-CONF_PACKAGE = "framework.conf"
 
 
 def _is_checkpoint(path: Path) -> bool:
@@ -239,14 +237,14 @@ def package_dir(package: str) -> Optional[Path]:
 
 
 def framework_conf_dir() -> Path:
-    """The framework's own config tree: the installed package framework.conf (a wheel's copy, or this checkout's
-    conf/ under an editable install), else, in a checkout that is not installed, conf/ beside framework/."""
-    return package_dir(CONF_PACKAGE) or Path(__file__).resolve().parent.parent / "conf"
+    """The framework's own config tree: the one shipped with the `framework` package imported in this process.
 
-
-def framework_conf() -> str:
-    """Hydra's search-path entry for the framework's own config tree: `pkg://framework.conf` where installed."""
-    return f"pkg://{CONF_PACKAGE}" if package_dir(CONF_PACKAGE) is not None else str(framework_conf_dir())
+    A wheel installs it inside the package (framework/conf); in a checkout it is conf/ beside framework/. Asking
+    the import system for `framework.conf` instead would answer from the environment's editable install, which
+    may point at another checkout (a worktree, a copy) whose tree then won over this checkout's own conf/."""
+    here = Path(__file__).resolve().parent
+    wheel = here / "conf"
+    return wheel if (wheel / "htf.yaml").is_file() else here.parent / "conf"
 
 
 def source_dir(path: str, schema: Optional[str] = None) -> Optional[Path]:

@@ -162,6 +162,26 @@ def test_a_config_that_sets_hydra_mode_multirun_still_sweeps(tmp_path: Path) -> 
     assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0_optimizer.lr=0.05", "1_optimizer.lr=0.1"]
 
 
+def test_run_py_in_a_copy_of_the_checkout_reads_the_copys_conf(tmp_path: Path) -> None:
+    """A worktree or a copy of the repository, run with an environment whose editable install points at this
+    checkout: its run.py composes its own conf/ (an option only the copy has is found), with its own framework."""
+    copy = tmp_path / "copy"
+    shutil.copytree(ROOT / "framework", copy / "framework", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(CONF, copy / "conf")
+    shutil.copy(ROOT / "run.py", copy / "run.py")
+    (copy / "conf" / "task" / "mine.yaml").write_text((CONF / "task" / "classification.yaml").read_text())
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "PYTHONPATH")}
+    proc = subprocess.run([sys.executable, str(copy / "run.py"), f"hydra.run.dir={run_dir}", "task=mine",
+                           "trainer.dry_run=true", "logger.progress_bar=false"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, output(proc)
+    sources = OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra.runtime.config_sources
+    framework_tree = [s.path for s in sources if s.provider in ("main", "framework")]
+    assert framework_tree == [str(copy / "conf")], framework_tree
+    assert OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra.runtime.choices.task == "mine"
+
+
 def test_help_into_a_reader_that_went_away_is_not_an_error(tmp_path: Path) -> None:
     """`htf --help | head`: stdout's reader has closed the pipe. Before, this was reported as a run directory
     that could not be written ('Broken pipe'); now it ends quietly with exit 1, as Python's docs advise."""
