@@ -17,7 +17,6 @@ its traceback. A user's own HYDRA_FULL_ERROR=1 leaves Hydra's reports and traceb
 from __future__ import annotations
 
 import difflib
-import gc
 import inspect
 import os
 import re
@@ -37,12 +36,12 @@ from hydra.plugins.search_path_plugin import SearchPathPlugin
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from framework import __version__, app, config, faststart, launch, resume, signals, sweep
+from framework import __version__, app, config, launch, resume, signals, sweep
 from framework.config import CLOSED_GROUPS, key_hint
 from framework.errors import FORCED_FULL_ERROR, full_error
 
 _FRAMEWORK_DIR = str(Path(__file__).resolve().parent) + os.sep
-_HYDRAS_SIDE = {__file__, faststart.__file__}  # their frames in a traceback are Hydra's composing, not our code's
+_HYDRAS_SIDE = {__file__}  # its frames in a traceback are Hydra's composing (FrameworkConfigs), not our code's
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 _CONFIG_DIR, _CONFIG_PATH, _CONFIG_NAME = ("--config-dir", "-cd"), ("--config-path", "-cp"), ("--config-name", "-cn")
 
@@ -64,73 +63,19 @@ def _main() -> None:
     if "--version" in sys.argv[1:]:  # Hydra's parser has no such flag
         print(f"hydra-torch-framework {__version__}")
         return
-    # What is loaded so far (torch, Hydra, the framework's modules) lives as long as the process: out of the
-    # cyclic garbage collector's sight, the full collections that composing the config triggers skip it
-    # (each full pass over torch's objects took ~0.1-0.15 s of start-up).
-    gc.freeze()
     if os.getcwd() not in sys.path and "" not in sys.path:  # `htf`'s has its script's folder instead, as run.py's
         sys.path.insert(0, os.getcwd())
-    faststart.install()  # libyaml parses the config files; the ConfigStore is not copied per composition
     config.register()  # the structured-config schemas the framework's tree is composed against
     Plugins.instance().register(FrameworkConfigs)
     sys.argv, trees = _user_tree(sys.argv)
     sys.argv += launch.rank_zero_only_overrides()  # under torchrun: one run directory, from rank 0
     name = _option(sys.argv[1:], _CONFIG_NAME) or "config"
     sys.argv = resume.argv_with_saved_choices(sys.argv, [*trees, resume.framework_conf_dir()], name)  # resume=...
-    _compose_once()
     run(hydra.main(version_base="1.3", config_path=str(resume.framework_conf_dir()), config_name="config")(_job))
 
 
 def _job(cfg: DictConfig) -> Any:
     return app.main(cfg)
-
-
-def _compose_once() -> None:
-    """Start a run on one composition of the config instead of Hydra 1.3's two (each ~0.35 s of start-up).
-
-    Hydra's `_run_hydra` composes the whole config (`Hydra.get_mode`) only to read `hydra.mode`, then
-    `Hydra.run` composes it again. Here, for a command line without -m, `get_mode` composes it as `Hydra.run`
-    will (RUN mode, overrides validated), and that config is handed to `Hydra.run`'s composition, with the
-    `hydra.mode=RUN` override that Hydra's `_run_app` then adds applied as Hydra applies it. A config that
-    does not compose that way (a sweep override made legal by a config's own `hydra.mode: MULTIRUN`, or a
-    mistake, which `Hydra.run` then reports) falls back to Hydra's own `get_mode`; a sweep (-m) is untouched."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from hydra._internal.hydra import Hydra
-    from hydra.types import RunMode
-
-    if any(arg in ("-m", "--multirun") for arg in sys.argv[1:]):
-        return
-    hydra_get_mode, hydra_load = Hydra.get_mode, ConfigLoaderImpl.load_configuration
-    composed: dict[tuple[Optional[str], tuple[str, ...]], DictConfig] = {}  # for the next composition only
-
-    def get_mode(self: Hydra, config_name: Optional[str], overrides: list[str]) -> Any:
-        try:
-            cfg = self.compose_config(config_name=config_name, overrides=overrides, run_mode=RunMode.RUN)
-        except Exception:  # noqa: BLE001  (Hydra's own way decides, and Hydra.run reports a mistake)
-            return hydra_get_mode(self, config_name, overrides)
-        if cfg.hydra.mode == RunMode.MULTIRUN:  # hydra.mode=MULTIRUN in a config: a sweep's parent after all
-            signals.LATCH.release()
-            return cfg.hydra.mode
-        key = tuple(overrides)
-        if cfg.hydra.mode is None:  # what the override `hydra.mode=RUN` that _run_app adds does to the config
-            cfg.hydra.mode = RunMode.RUN
-            cfg.hydra.overrides.hydra.append("hydra.mode=RUN")
-            key += ("hydra.mode=RUN",)
-            composed[config_name, key] = cfg
-            return None
-        composed[config_name, key] = cfg
-        return cfg.hydra.mode
-
-    def load_configuration(self: ConfigLoaderImpl, config_name: Optional[str], overrides: list[str],
-                           run_mode: RunMode, from_shell: bool = True, validate_sweep_overrides: bool = True) -> Any:
-        ready = composed.pop((config_name, tuple(overrides)), None)
-        composed.clear()
-        if ready is not None and run_mode == RunMode.RUN and from_shell and validate_sweep_overrides:
-            return ready
-        return hydra_load(self, config_name, overrides, run_mode, from_shell, validate_sweep_overrides)
-
-    Hydra.get_mode = get_mode  # type: ignore[method-assign]
-    ConfigLoaderImpl.load_configuration = load_configuration  # type: ignore[method-assign]
 
 
 class FrameworkConfigs(SearchPathPlugin):

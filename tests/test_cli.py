@@ -109,56 +109,28 @@ def test_omegaconf_error_raised_by_our_own_code_is_a_bug_not_a_user_mistake() ->
     assert cli.describe(hydras.value, ["trainer=x"]) is not None
 
 
-COUNT_COMPOSITIONS = """
-import atexit, os
-from hydra._internal.config_loader_impl import ConfigLoaderImpl
-
-_compose, _modes = ConfigLoaderImpl._load_configuration_impl, []
-
-def _counted(self, config_name, overrides, run_mode, *args, **kwargs):
-    _modes.append(run_mode.name)
-    return _compose(self, config_name, overrides, run_mode, *args, **kwargs)
-
-ConfigLoaderImpl._load_configuration_impl = _counted
-atexit.register(lambda: open(os.environ["COMPOSITIONS"], "a").write(",".join(_modes) + "\\n"))
-"""
-
-
-def compositions(tmp_path: Path, *overrides: str, config_dir: Path | None = None) -> tuple[list[str], Path]:
-    """Run run.py counting Hydra's compositions of the whole config: (their run modes, run dir)."""
-    (tmp_path / "hook").mkdir(exist_ok=True)
-    (tmp_path / "hook" / "sitecustomize.py").write_text(COUNT_COMPOSITIONS)
-    record = tmp_path / "compositions.txt"
-    record.unlink(missing_ok=True)
-    extra = [f"--config-dir={config_dir}"] if config_dir is not None else []
-    proc = run_cli(tmp_path / "run", *extra, *overrides,
-                   env={"PYTHONPATH": str(tmp_path / "hook"), "COMPOSITIONS": str(record)})
+def test_a_run_records_the_config_and_overrides_it_ran_with(tmp_path: Path) -> None:
+    """What Hydra writes in the run directory is what the job got: RUN mode, the command line's overrides, the
+    config with them applied."""
+    run_dir = tmp_path / "run"
+    proc = run_cli(run_dir, "trainer.dry_run=true", "optimizer.lr=0.05")
     assert proc.returncode == 0, output(proc)
-    return [modes for line in record.read_text().splitlines() for modes in line.split(",") if modes], tmp_path / "run"
-
-
-def test_a_run_composes_the_config_once_and_hydra_records_it_as_its_own_run_would(tmp_path: Path) -> None:
-    """Hydra 1.3 composes twice (once only to read hydra.mode); run.py composes once, and the config the job and
-    .hydra/hydra.yaml get is what Hydra.run composes: mode RUN, with the `hydra.mode=RUN` override it adds."""
-    modes, run_dir = compositions(tmp_path, "trainer.dry_run=true", "optimizer.lr=0.05")
-    assert modes == ["RUN"], modes
     hydra_yaml = OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra
     assert hydra_yaml.mode == "RUN"
-    assert list(hydra_yaml.overrides.hydra)[-1] == "hydra.mode=RUN"
     assert "optimizer.lr=0.05" in list(hydra_yaml.overrides.task)
     assert OmegaConf.load(run_dir / ".hydra" / "config.yaml").optimizer.lr == 0.05
 
 
 def test_a_config_that_sets_hydra_mode_multirun_still_sweeps(tmp_path: Path) -> None:
     """`hydra.mode: MULTIRUN` in a config makes a plain command line a sweep, as in Hydra (its sweep override
-    would be an error in RUN mode): the one composition falls back to Hydra's own way of reading the mode."""
+    would be an error in RUN mode)."""
     conf = tmp_path / "conf"
     conf.mkdir()
     (conf / "config.yaml").write_text("defaults:\n  - htf\n  - _self_\nhydra:\n  mode: MULTIRUN\n")
     sweep_dir = tmp_path / "sweep"
-    modes, _ = compositions(tmp_path, "optimizer.lr=0.05,0.1", f"hydra.sweep.dir={sweep_dir}", "trainer.max_steps=1",
-                            "trainer.test=false", config_dir=conf)
-    assert modes.count("MULTIRUN") >= 1 and modes.count("RUN") >= 2, modes  # the sweep, then each of its 2 jobs
+    proc = run_cli(tmp_path / "run", f"--config-dir={conf}", "optimizer.lr=0.05,0.1", f"hydra.sweep.dir={sweep_dir}",
+                   "trainer.max_steps=1", "trainer.test=false")
+    assert proc.returncode == 0, output(proc)
     assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0_optimizer.lr=0.05", "1_optimizer.lr=0.1"]
 
 
