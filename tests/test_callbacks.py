@@ -69,7 +69,8 @@ def test_hooks_run_in_lightnings_order_with_the_step_they_follow(compose, tmp_pa
         ("setup", 0), ("on_fit_start", 0), ("on_train_epoch_start", 0),
         ("on_train_batch_end", 0),  # a micro-batch: no optimizer step yet
         ("on_before_optimizer_step", 0), ("on_before_zero_grad", 0), ("on_train_batch_end", 1),
-        ("on_train_epoch_end", 1), ("on_validation_start", 1), ("on_validation_end", 1),
+        ("on_validation_start", 1), ("on_validation_end", 1),
+        ("on_train_epoch_end", 1),  # after the epoch's validation, as in Lightning 2
         ("on_test_start", 1), ("on_test_end", 1), ("on_fit_end", 1)]
 
 
