@@ -1,7 +1,10 @@
-"""Shared helpers: run the real CLI in a subprocess, compose configs in-process, read TensorBoard events,
-write small datasets in their official on-disk formats."""
+"""Shared test helpers: run the real CLI in a subprocess and read its one error line, compose configs in-process,
+read TensorBoard events and checkpoints, write small datasets in their official on-disk formats. Test modules
+import them from here, never from each other."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import pickle
 import struct
@@ -39,6 +42,28 @@ def output(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout + proc.stderr
 
 
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    """A user's mistake as the entry point reports it: exit code 1, no traceback, and one `Error: ...` line, the
+    last one printed (a run that had started logged its own lines before it). Returns that line; a test that
+    also proves nothing else was printed compares it with the whole output."""
+    text = output(proc)
+    assert proc.returncode == 1, text
+    assert "Traceback" not in text, text
+    lines = [line for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("Error")]
+    assert lines and errors == [lines[-1]] and errors[0].startswith("Error: "), text
+    return errors[0]
+
+
+TESTS = Path(__file__).resolve().parent
+KILLHOOK = TESTS / "killhook"  # its sitecustomize.py sends $KILL_SIGNAL after optimizer step $KILL_AT_STEP
+
+
+def on_pythonpath(*folders: Path) -> str:
+    """A PYTHONPATH with `folders` first (a run imports a test's own classes, or the kill hook), then this one's."""
+    return os.pathsep.join([*map(str, folders), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 @pytest.fixture
 def compose() -> Iterator:
     """compose(*overrides) -> the composed DictConfig, exactly as run.py would get it (Hydra's compose API)."""
@@ -70,6 +95,47 @@ def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def final_state(run_dir: Path) -> dict:
+    """The last checkpoint's weights and optimizer, callback and task (torchmetrics states) tensors, whole (a
+    sharded one's gathered): what an exact resume must reproduce bit for bit."""
+    from framework.checkpoint import open_checkpoint
+    from framework.checkpoint.format import flatten
+
+    checkpoint = open_checkpoint(run_dir / "checkpoints" / "last")
+    state: dict = {}
+    flatten(checkpoint.state(), state)
+    return {**checkpoint.model_state(),
+            **{f"state:{k}": v for k, v in state.items() if k.startswith(("/optimizer", "/callbacks", "/task"))}}
+
+
+def assert_identical(a: dict, b: dict) -> None:
+    """The same tensor names, each bit-identical."""
+    import torch
+
+    assert set(a) == set(b)
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"not bit-identical: {different[:5]}"
+
+
+def saved_config(run_dir: Path) -> dict:
+    """The config the run's `last` checkpoint holds (what resume rebuilds the run from)."""
+    return json.loads((run_dir / "checkpoints" / "last" / "meta.json").read_text())["config"]
+
+
+def fingerprint(run_dir: Path) -> dict[str, str]:
+    """Every file of a run (but its appended log and its lock) and its content hash."""
+    from framework.rundir import LOCK_FILE
+
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name not in ("run.log", LOCK_FILE)}
+
+
+def replace(path: Path, data: bytes) -> None:
+    """Rewrite a file as a new inode: checkpoints share files by hard links, and only this one is to change."""
+    path.unlink()
+    path.write_bytes(data)
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import output, read_scalars, run_cli
+from conftest import one_error_line, output, read_scalars, replace, run_cli
 from framework.checkpoint import (META_FILE, MODEL_FILE, STATE_FILE, CheckpointManager, CheckpointWriter,
                                   DamagedCheckpoint, UnreadableCheckpoint, check_compatible, find_latest,
                                   load_weights, open_checkpoint, write_checkpoint)
@@ -62,12 +62,6 @@ def train(compose, run_dir: Path, *overrides: str) -> dict:
     return Trainer(cfg, run_dir).fit()
 
 
-def replace(path: Path, data: bytes) -> None:
-    """Rewrite a file as a new inode: checkpoints share files by hard links, and only this one is to change."""
-    path.unlink()
-    path.write_bytes(data)
-
-
 def truncate_model(ck: Path) -> None:
     data = (ck / MODEL_FILE).read_bytes()
     replace(ck / MODEL_FILE, data[: len(data) // 2])
@@ -92,14 +86,6 @@ DAMAGE = {  # kind -> (how, the file the message must name)
     "checksum mismatch": (flip_a_byte, MODEL_FILE),
     "meta.json without checksums": (drop_checksums, META_FILE),
 }
-
-
-def one_error_line(proc) -> str:
-    assert proc.returncode == 1, output(proc)
-    assert "Traceback" not in output(proc), output(proc)
-    errors = [line for line in output(proc).splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1, output(proc)
-    return errors[0]
 
 
 # ---------------------------------------------------------------------------------------------- 1. policies

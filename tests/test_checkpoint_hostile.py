@@ -33,7 +33,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import FAST, ROOT, output, run_cli
+from conftest import FAST, ROOT, one_error_line, output, replace, run_cli
 from framework import reproducibility
 from framework.checkpoint import (MAX_META_BYTES, META_FILE, MODEL_FILE, STATE_FILE, CheckpointManager,
                                   CheckpointSaveError, DamagedCheckpoint, check_compatible, digest,
@@ -108,12 +108,6 @@ def run_dir(tmp_path: Path) -> Path:
 
 def last_of(run: Path) -> Path:
     return run / "checkpoints" / "last"
-
-
-def replace(path: Path, data: bytes) -> None:
-    """Rewrite a file as a new inode (checkpoints share files by hard links)."""
-    path.unlink()
-    path.write_bytes(data)
 
 
 def read_meta(ck: Path) -> dict[str, Any]:
@@ -903,14 +897,6 @@ def base(tmp_path_factory) -> Path:
 
 def copy_run(base: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(base, tmp_path / "run", symlinks=True))
-
-
-def one_error_line(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 1, output(proc)
-    assert "Traceback" not in output(proc), output(proc)
-    errors = [line for line in output(proc).splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1, output(proc)
-    return errors[0]
 
 
 def test_cli_resume_run_dir_walks_past_every_hostile_entry_to_the_newest_intact_checkpoint(base, tmp_path):

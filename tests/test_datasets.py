@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import make_cifar10, make_image_folder, make_mnist, output, run_cli, write_idx
+from conftest import make_cifar10, make_image_folder, make_mnist, one_error_line, output, run_cli, write_idx
 from framework.zoo.datasets import digits
 from framework.data import DataModule
 from framework.errors import ConfigError
@@ -33,15 +32,6 @@ def first_batch(data: DataModule, split: str) -> tuple[torch.Tensor, torch.Tenso
 
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
-
-
-def one_error_line(proc: subprocess.CompletedProcess) -> str:
-    """A user mistake ends the run with exit code 1 and exactly one line of output, never a traceback."""
-    text = output(proc)
-    assert proc.returncode == 1 and "Traceback" not in text, text
-    lines = text.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), text
-    return lines[0]
 
 
 # ---------------------------------------------------------------------------------------------- digits
@@ -136,7 +126,9 @@ def test_mnist_trains_end_to_end_with_persistent_worker_processes(tmp_path):
 
 
 def test_mnist_root_that_does_not_exist_is_one_error_line_naming_data_root(tmp_path):
-    line = one_error_line(run_cli(tmp_path / "run", "data=mnist", "data.root=/does/not/exist"))
+    proc = run_cli(tmp_path / "run", "data=mnist", "data.root=/does/not/exist")
+    line = one_error_line(proc)
+    assert output(proc).strip() == line  # all it printed
     assert "data.root='/does/not/exist'" in line
 
 
@@ -167,7 +159,9 @@ def test_cifar10_pickles_load_channels_first_with_exact_pixels(compose, tmp_path
 def test_cifar10_unofficial_files_fail_the_checksum_with_one_line_naming_the_switch(tmp_path):
     root = tmp_path / "data"
     make_cifar10(root)
-    line = one_error_line(run_cli(tmp_path / "run", "data=cifar10", f"data.root={root}", "model=cnn", *QUICK))
+    proc = run_cli(tmp_path / "run", "data=cifar10", f"data.root={root}", "model=cnn", *QUICK)
+    line = one_error_line(proc)
+    assert output(proc).strip() == line  # all it printed
     assert "data_batch_1" in line and "data.train.dataset.verify_checksums=false" in line
 
 
@@ -247,8 +241,9 @@ def test_a_cifar10_file_that_would_run_code_is_refused_with_one_line(tmp_path):
             return (os.system, (f"touch {marker}",))
 
     (root / "cifar-10-batches-py" / "data_batch_3").write_bytes(pickle.dumps({"data": Payload(), "labels": []}))
-    line = one_error_line(run_cli(tmp_path / "run", "data=cifar10", f"data.root={root}", "model=cnn",
-                                  "data.train.dataset.verify_checksums=false",
-                                  *QUICK))
+    proc = run_cli(tmp_path / "run", "data=cifar10", f"data.root={root}", "model=cnn",
+                   "data.train.dataset.verify_checksums=false", *QUICK)
+    line = one_error_line(proc)
+    assert output(proc).strip() == line  # all it printed
     assert "data_batch_3: not a CIFAR-10 batch" in line and "system" in line, line
     assert not marker.exists()

@@ -12,11 +12,10 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from conftest import output, run_cli
+from conftest import final_state, output, run_cli
 from framework.launch import free_port
 from framework.parallel import DDPStrategy
 from framework.trainer import Trainer
-from test_resume import final_state
 
 ACCUMULATE = 4
 # 10 micro-batches per epoch in windows of 4, 4 and 2: six optimizer steps cross an epoch boundary and take

@@ -5,7 +5,6 @@ from is one error naming the key; a fast_dev_run keeps nothing and never touches
 (framework/app.py, framework/resume.py, framework/rundir.py)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -18,13 +17,12 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import make_image_folder, make_mnist, output, run_cli
-from framework.rundir import LOCK_FILE
+from conftest import (KILLHOOK, TESTS, fingerprint, make_image_folder, make_mnist, on_pythonpath, one_error_line,
+                      output, run_cli, saved_config)
 from framework.zoo.models import MLP
 
-TESTS = str(Path(__file__).parent)
 # After its 2nd of 4 steps (its first checkpoint is at the epoch's end); this module importable, for its model.
-KILL_IN_FIRST_EPOCH = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "killhook"), TESTS]),
+KILL_IN_FIRST_EPOCH = {"PYTHONPATH": on_pythonpath(KILLHOOK, TESTS),
                        "KILL_AT_STEP": "2", "KILL_SIGNAL": "SIGKILL"}
 # One epoch of 4 steps, with settings of its own that a resume must bring back.
 OWN = ("trainer.max_epochs=1", "trainer.limit_train_batches=4", "trainer.test=false", "optimizer.lr=0.05")
@@ -40,27 +38,9 @@ class MLPKilledWhileBuilding(MLP):
         super().__init__(*args, **kwargs)
 
 
-def one_error_line(proc: subprocess.CompletedProcess) -> str:
-    text = output(proc)
-    assert proc.returncode != 0 and "Traceback" not in text, text
-    lines = [line for line in text.splitlines() if line.startswith("Error")]
-    assert len(lines) == 1, text
-    return lines[0]
-
-
 def succeeded(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 0, output(proc)
     return output(proc)
-
-
-def fingerprint(run_dir: Path) -> dict[str, str]:
-    """Every file of a run (but its appended log and its lock) and its content hash."""
-    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name not in ("run.log", LOCK_FILE)}
-
-
-def saved_config(run_dir: Path) -> dict[str, Any]:
-    return json.loads((run_dir / "checkpoints" / "last" / "meta.json").read_text())["config"]
 
 
 def killed_in_first_epoch(run_dir: Path, *overrides: str) -> Path:
@@ -93,7 +73,7 @@ def copy_of(run_dir: Path, tmp_path: Path) -> Path:
 def test_the_same_command_again_names_resume_run_dir_and_that_command_continues_the_run(tmp_path, state):
     run_dir = tmp_path / "run"
     own = (*OWN, "model._target_=test_dead_ends.MLPKilledWhileBuilding")
-    env = {"PYTHONPATH": TESTS}  # the model is this module's
+    env = {"PYTHONPATH": on_pythonpath(TESTS)}  # the model is this module's
     if state == "killed while starting up":
         killed = run_cli(run_dir, *own, env={**env, "KILL_WHILE_BUILDING": "1"})
         assert killed.returncode == -signal.SIGKILL, output(killed)

@@ -4,7 +4,6 @@ argument typed as a key: each points to the key that does the job here, or says 
 from __future__ import annotations
 
 import re
-import subprocess
 from dataclasses import fields
 from pathlib import Path
 
@@ -12,22 +11,12 @@ import pytest
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from conftest import output, run_cli
+from conftest import one_error_line, output, run_cli
 from framework import config
 from framework.config import LIGHTNING_NAMES, TrainerConfig
 from framework.errors import ConfigError
 
 TRAINER_KEYS = {f.name for f in fields(TrainerConfig)}
-
-
-def error_line(proc: subprocess.CompletedProcess) -> str:
-    """A user's mistake: exit 1, no traceback, and one `Error:` line, the only line printed."""
-    text = output(proc)
-    assert proc.returncode == 1, text
-    assert "Traceback" not in text, text
-    assert [line for line in text.splitlines() if line.strip()] == [text.strip()], text
-    assert text.startswith("Error: "), text
-    return text.strip()
 
 
 # ---------------------------------------------------------------- the debug group
@@ -106,7 +95,9 @@ REFUSED = [
 def test_a_bad_value_of_a_lightning_key_is_one_error_line(tmp_path: Path, overrides: tuple[str, ...],
                                                            says: str) -> None:
     run_dir = tmp_path / "run"
-    line = error_line(run_cli(run_dir, *overrides, "trainer.dry_run=true", fast=False))
+    proc = run_cli(run_dir, *overrides, "trainer.dry_run=true", fast=False)
+    line = one_error_line(proc)
+    assert output(proc).strip() == line  # all it printed
     assert line.startswith(f"Error: {says}"), line
     assert not run_dir.exists()  # a refused start leaves nothing behind
 
@@ -207,7 +198,9 @@ def test_both_ways_of_typing_a_lightning_name_print_its_hint(tmp_path: Path, ove
     """Without `+` Hydra refuses the key while composing (cli.py reports it); with `+` it composes, and
     config.validate refuses it: the same hint either way."""
     run_dir = tmp_path / "run"
-    line = error_line(run_cli(run_dir, override, fast=False))
+    proc = run_cli(run_dir, override, fast=False)
+    line = one_error_line(proc)
+    assert output(proc).strip() == line  # all it printed
     assert line.startswith(f"Error: {override.lstrip('+').split('=')[0]}="), line
     assert says in line, line
     assert not run_dir.exists()

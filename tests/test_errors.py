@@ -1,5 +1,5 @@
 """A user's mistake ends the run with one message naming the key (or file), the value and what was expected:
-exit code non-zero, no Python traceback (unless HYDRA_FULL_ERROR=1 asks for one).
+exit code 1, no Python traceback (unless HYDRA_FULL_ERROR=1 asks for one).
 
 Each test runs run.py as a subprocess, as a user would. Mistakes in the command line itself (an unknown
 key, a wrong type, an unknown group option) are found by Hydra while composing the config and reported by
@@ -9,38 +9,24 @@ from __future__ import annotations
 
 import math
 import re
-import subprocess
 from pathlib import Path
 
-from conftest import output, read_scalars, run_cli
+from conftest import one_error_line, output, read_scalars, run_cli
 
 # A run that does start training stays tiny.
 TINY = ("trainer.max_epochs=1", "trainer.limit_train_batches=2")
 
 
-def fail(run_dir: Path, *overrides: str, full_error: bool = False) -> str:
-    """Run with `overrides`, assert it failed the way a user error should, and return what it printed.
-
-    With `full_error`, HYDRA_FULL_ERROR=1 is set and the traceback is expected rather than refused.
-    """
-    env = {"HYDRA_FULL_ERROR": "1"} if full_error else None
-    proc: subprocess.CompletedProcess = run_cli(run_dir, *TINY, *overrides, env=env)
-    text = output(proc)
-    assert proc.returncode != 0, text
-    assert ("Traceback" in text) == full_error, text
-    return text
+def fail(run_dir: Path, *overrides: str) -> str:
+    """Run with `overrides`, assert it failed the way a user error should (conftest.one_error_line: exit 1, no
+    traceback, one `Error:` line, the last printed, so nothing competes for the reader) and return that line."""
+    return one_error_line(run_cli(run_dir, *TINY, *overrides))
 
 
 def assert_in(text: str, *fragments: str) -> None:
-    """Each fragment is in the output; on failure, show the whole output."""
+    """Each fragment is in the text; on failure, show the whole text."""
     for fragment in fragments:
         assert fragment in text, f"{fragment!r} not in:\n{text}"
-
-
-def assert_one_error_line(text: str) -> None:
-    """Our errors are a single `Error: ...` line, the last one printed, so nothing competes for the reader."""
-    lines = [line for line in text.splitlines() if line.strip()]
-    assert [line for line in lines if line.startswith("Error")] == lines[-1:], text
 
 
 # ---------------------------------------------------------------- found by Hydra while composing (framework.cli)
@@ -50,19 +36,16 @@ def test_unknown_key_is_named_with_the_closest_one_and_how_to_add_it(tmp_path: P
     text = fail(tmp_path, "optimizer.lrr=0.1")
     assert_in(text, "optimizer.lrr=0.1: optimizer has no key 'lrr'", "did you mean 'optimizer.lr'?",
               "+optimizer.lrr=0.1")
-    assert_one_error_line(text)
 
 
 def test_wrong_type_names_key_value_and_expected_type(tmp_path: Path) -> None:
     text = fail(tmp_path, "trainer.max_epochs=abc")
     assert_in(text, "trainer.max_epochs='abc': expected an integer")
-    assert_one_error_line(text)
 
 
 def test_unknown_group_option_lists_the_available_ones(tmp_path: Path) -> None:
     text = fail(tmp_path, "model=nosuchmodel")
     assert_in(text, "model=nosuchmodel: no such option in group 'model'", "expected one of: cnn, mlp, resnet18")
-    assert_one_error_line(text)
 
 
 # ---------------------------------------------------------------- reported by framework.app
@@ -72,57 +55,48 @@ def test_unknown_constructor_argument_names_key_value_and_suggests_the_close_one
     text = fail(tmp_path, "+optimizer.momentm=0.9")
     assert_in(text, "optimizer.momentm=0.9", "torch.optim.SGD has no argument 'momentm'",
               "did you mean 'momentum'?", "expected one of:")
-    assert_one_error_line(text)
 
 
 def test_unimportable_target_names_key_value_and_missing_module(tmp_path: Path) -> None:
     text = fail(tmp_path, "model._target_=nosuch.module.Model")
     assert_in(text, "model._target_='nosuch.module.Model' cannot be imported", "No module named 'nosuch'",
               "expected a dotted path")
-    assert_one_error_line(text)
 
 
 def test_missing_dataset_root_says_which_key_to_set(tmp_path: Path) -> None:
     text = fail(tmp_path, "data=mnist", "data.root=/nonexistent")
     assert_in(text, "data.root='/nonexistent'", "no such directory", "set data.root=")
-    assert_one_error_line(text)
 
 
 def test_missing_mandatory_values_are_all_named_with_how_to_set_them(tmp_path: Path) -> None:
     text = fail(tmp_path, "data=image_folder")
     assert_in(text, "data.root=???", "data.num_classes=???", "data.root=VALUE")
-    assert_one_error_line(text)
 
 
 def test_broken_interpolation_names_key_and_what_it_points_to(tmp_path: Path) -> None:
     text = fail(tmp_path, "model.num_classes=${data.nosuch}")
     assert_in(text, "model.num_classes='${data.nosuch}' cannot be resolved", "'data.nosuch' not found")
-    assert_one_error_line(text)
 
 
 def test_cross_field_validation_names_key_value_and_range(tmp_path: Path) -> None:
     text = fail(tmp_path, "trainer.accumulate_grad_batches=0")
     assert_in(text, "trainer.accumulate_grad_batches=0: expected >= 1")
-    assert_one_error_line(text)
 
 
 def test_batch_limit_above_one_is_neither_fraction_nor_count(tmp_path: Path) -> None:
     text = fail(tmp_path, "trainer.limit_train_batches=1.5")
     assert_in(text, "trainer.limit_train_batches=1.5: expected a fraction in (0, 1]")
-    assert_one_error_line(text)
 
 
 def test_missing_required_constructor_argument_says_how_to_add_it(tmp_path: Path) -> None:
     text = fail(tmp_path, "~model.num_classes")
     assert_in(text, "model.num_classes is not set", "needs the argument 'num_classes'", "+model.num_classes=VALUE")
-    assert_one_error_line(text)
 
 
 def test_missing_argument_of_a_component_the_framework_completes_is_named(tmp_path: Path) -> None:
     # The scheduler is built as a partial (the trainer passes the optimizer): its other arguments are still due.
     text = fail(tmp_path, "scheduler._target_=torch.optim.lr_scheduler.StepLR")
     assert_in(text, "scheduler.step_size is not set", "+scheduler.step_size=VALUE")
-    assert_one_error_line(text)
 
 
 def test_value_of_the_wrong_type_for_an_annotated_argument_is_refused_before_training(tmp_path: Path) -> None:
@@ -130,13 +104,11 @@ def test_value_of_the_wrong_type_for_an_annotated_argument_is_refused_before_tra
     text = fail(tmp_path, "task.loss.label_smoothing=abc")
     assert_in(text, "task.loss.label_smoothing='abc'", "takes 'label_smoothing' as float",
               "e.g. task.loss.label_smoothing=0.0")
-    assert_one_error_line(text)
 
 
 def test_constructor_rejecting_a_value_names_the_node_and_its_values(tmp_path: Path) -> None:
     text = fail(tmp_path, "optimizer.lr=-1")
     assert_in(text, "optimizer: torch.optim.SGD(", "lr=-1", "ValueError: Invalid learning rate: -1")
-    assert_one_error_line(text)
 
 
 def test_diverging_loss_stops_at_its_step_and_keeps_the_events_already_written(tmp_path: Path) -> None:
@@ -144,7 +116,6 @@ def test_diverging_loss_stops_at_its_step_and_keeps_the_events_already_written(t
     match = re.search(r"train/loss became (nan|inf|-inf) at step (\d+)", text)
     assert match, text
     assert_in(text, "optimizer.lr")
-    assert_one_error_line(text)
     bad_step = int(match.group(2))
     losses = read_scalars(tmp_path)["train/loss"]
     assert losses, "the finite losses logged before the failure are readable"
@@ -153,5 +124,6 @@ def test_diverging_loss_stops_at_its_step_and_keeps_the_events_already_written(t
 
 
 def test_full_error_env_shows_the_traceback_of_our_config_error(tmp_path: Path) -> None:
-    text = fail(tmp_path, "trainer.accumulate_grad_batches=0", full_error=True)
-    assert_in(text, "Traceback", "framework.errors.ConfigError: trainer.accumulate_grad_batches=0")
+    proc = run_cli(tmp_path, *TINY, "trainer.accumulate_grad_batches=0", env={"HYDRA_FULL_ERROR": "1"})
+    assert proc.returncode != 0
+    assert_in(output(proc), "Traceback", "framework.errors.ConfigError: trainer.accumulate_grad_batches=0")

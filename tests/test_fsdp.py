@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import output, run_cli
+from conftest import KILLHOOK, on_pythonpath, output, run_cli
 from framework import export
 from framework.checkpoint import DamagedCheckpoint, find_latest, open_checkpoint
 from framework.checkpoint.format import shard_files
@@ -24,7 +24,6 @@ from framework.zoo.models import MLP
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")  # export's TorchScript
 
-KILLHOOK = Path(__file__).parent / "killhook"
 RUN = ("model.hidden=[32,1]", "model.dropout=0.2", "optimizer=adamw", "callbacks=[default,ema]",
        "trainer.max_steps=16", "trainer.limit_train_batches=8", "trainer.log_every_n_steps=4", "trainer.test=false",
        "trainer.grad_clip_norm=1.0", "data.batch_size=16", "data.train.val_fraction=0.151", "data.eval_batch_size=45",
@@ -80,7 +79,7 @@ def test_training_under_fsdp_matches_ddp_whose_checkpoints_fsdp_refuses_in_one_l
 def test_sigkill_then_resume_ends_bit_identical_to_the_uninterrupted_run(whole, tmp_path):
     killed_dir = tmp_path / "killed"
     killed = run_cli(killed_dir, "parallel=fsdp", *RUN, fast=False,
-                     env={**ENV, "PYTHONPATH": str(KILLHOOK), "KILL_AT_STEP": "10", "KILL_SIGNAL": "SIGKILL"})
+                     env={**ENV, "PYTHONPATH": on_pythonpath(KILLHOOK), "KILL_AT_STEP": "10", "KILL_SIGNAL": "SIGKILL"})
     assert killed.returncode == 1, output(killed)  # rank 0 killed; the spawning parent reports it
     assert not (killed_dir / "summary.json").exists()
     resumed = run_cli(None, f"resume={killed_dir}", fast=False, env=ENV)

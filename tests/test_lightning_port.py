@@ -5,16 +5,13 @@ states it keeps across epochs (MaxMetric best-so-far, MeanMetric epoch means) in
 from __future__ import annotations
 
 import json
-import os
 import signal
 from pathlib import Path
 
 import pytest
 
-from conftest import output, read_scalars, run_cli
-from test_resume import assert_identical, final_state
+from conftest import KILLHOOK, assert_identical, final_state, on_pythonpath, output, read_scalars, run_cli
 
-KILLHOOK = Path(__file__).parent / "killhook"
 # 20 batches of 64 per epoch; a periodic checkpoint every 7 steps, saved inline (a SIGKILL may come right after).
 PORT = ("experiment=lit_mnist", "logger.progress_bar=false", "trainer.max_epochs=4", "trainer.log_every_n_steps=5",
         "checkpoint.every_n_steps=7", "checkpoint.keep_last=-1", "checkpoint.async_save=false")
@@ -49,7 +46,7 @@ def test_the_summary_of_a_ported_lightning_module_is_what_tensorboard_holds(whol
 
 def test_a_ported_lightning_module_killed_mid_epoch_resumes_bit_identical(whole, tmp_path):
     killed = tmp_path / "killed"
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(KILLHOOK), os.environ.get("PYTHONPATH")))),
+    env = {"PYTHONPATH": on_pythonpath(KILLHOOK),
            "KILL_AT_STEP": "31", "KILL_SIGNAL": "SIGKILL"}  # mid second epoch, 3 steps after step 28's save
     proc = run_cli(killed, *PORT, fast=False, env=env)
     assert proc.returncode == -signal.SIGKILL, output(proc)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, ROOT, output, run_cli
+from conftest import FAST, ROOT, TESTS, on_pythonpath, output, run_cli
 from framework import launch, provenance
 from framework.loggers import SUMMARY_LOGGER, print_summary
 from framework.task import ClassificationTask
@@ -162,7 +162,7 @@ def test_git_never_delays_the_first_step(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_cli(run_dir, *QUICK, "task._target_=test_provenance.MarkingTask",
                    env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FIRST_STEP_MARKER": str(marker),
-                        "PYTHONPATH": os.pathsep.join((str(hook_dir), str(Path(__file__).parent)))})
+                        "PYTHONPATH": on_pythonpath(hook_dir, TESTS)})
     assert proc.returncode == 0, output(proc)
     record = json.loads((run_dir / "provenance.json").read_text())
     assert record["git"] == {"commit": "0123456789abcdef0123456789abcdef01234567", "dirty": False, "untracked": [],

@@ -19,10 +19,8 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT, output, run_cli
+from conftest import KILLHOOK, ROOT, TESTS, assert_identical, final_state, on_pythonpath, output, run_cli
 from framework.task import ClassificationTask, StepOutput
-from test_resume import TESTS, assert_identical, final_state
-from test_resume_matrix import KILLHOOK
 
 QUICK = ("logger.progress_bar=false", "trainer.device=cpu", "trainer.test=false", "trainer.max_steps=60",
          "trainer.limit_train_batches=10", "checkpoint.every_n_steps=7", "model.dropout=0.2")
@@ -52,7 +50,7 @@ def test_sbatch_job_signalled_saves_requeues_once_and_continues_in_its_own_direc
     try:
         whole = run_cli(tmp_path / "whole", *quick, fast=False)
         assert whole.returncode == 0, output(whole)
-        pythonpath = os.pathsep.join(filter(None, (str(KILLHOOK), os.environ.get("PYTHONPATH"))))
+        pythonpath = on_pythonpath(KILLHOOK)
         # SLURM's --signal=USR1@90 arrives mid-epoch, after step 23, at the job's process.
         signalled = run_cli(None, *quick, f"name={name}", fast=False,
                             env={**env, "PYTHONPATH": pythonpath, "KILL_AT_STEP": "23", "KILL_SIGNAL": "SIGUSR1"})
@@ -76,7 +74,7 @@ def test_sbatch_job_signalled_saves_requeues_once_and_continues_in_its_own_direc
 
 def test_sigterm_and_requeue_false_save_but_never_requeue(tmp_path, scontrol):
     env, calls = scontrol
-    pythonpath = os.pathsep.join(filter(None, (str(KILLHOOK), os.environ.get("PYTHONPATH"))))
+    pythonpath = on_pythonpath(KILLHOOK)
     for case, extra, sig in (("scancel", (), "SIGTERM"), ("off", ("checkpoint.requeue=false",), "SIGUSR1")):
         run = tmp_path / case
         proc = run_cli(run, *QUICK, *extra, fast=False,
@@ -108,7 +106,7 @@ def test_a_signal_after_the_last_step_lets_the_complete_run_finish_without_a_req
     env, calls = scontrol
     run = tmp_path / "run"
     proc = run_cli(run, *QUICK, "trainer.test=true", "task._target_=test_requeue.SignalWhileTestingTask",
-                   fast=False, env={**env, "PYTHONPATH": TESTS, "SIGNAL_IN_TEST": sig})
+                   fast=False, env={**env, "PYTHONPATH": on_pythonpath(TESTS), "SIGNAL_IN_TEST": sig})
     assert proc.returncode == 0, output(proc)
     assert f"Received {sig} after the last step: finishing the run" in output(proc), output(proc)
     summary = json.loads((run / "summary.json").read_text())
@@ -217,7 +215,7 @@ def test_a_submitit_sweep_with_a_too_short_time_limit_requeues_and_finishes_ever
               f"trainer.max_steps={steps}", "trainer.max_epochs=-1", "model.dropout=0.2", "trainer.log_every_n_steps=500",
               "task._target_=test_requeue.SlowTask")
     sweep = tmp_path / "sweep"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (TESTS, os.environ.get("PYTHONPATH")))),
+    env = {**os.environ, "PYTHONPATH": on_pythonpath(TESTS),
            "OMP_NUM_THREADS": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
     # The runs never interrupted, for comparison, train while the sweep's jobs mostly sleep (one after the other:
@@ -250,7 +248,7 @@ def test_a_time_budget_shorter_than_the_job_stops_cleanly_and_the_same_command_f
     spent, saving last, and the next start continues; the run ends as if it had never stopped."""
     run = tmp_path / "run"
     common = (*QUICK, "trainer.max_steps=100", "task._target_=test_requeue.SlowTask", "callbacks=none")
-    env = {"PYTHONPATH": TESTS}
+    env = {"PYTHONPATH": on_pythonpath(TESTS)}
     whole = run_cli(tmp_path / "whole", *common, fast=False, env=env)
     assert whole.returncode == 0, output(whole)
     command = (*common, "+task.sleep_s=0.03", "trainer.max_time=1.5", f"hydra.run.dir={run}", "resume=auto")
@@ -283,7 +281,7 @@ def test_torchrun_restarts_a_killed_worker_group_and_the_run_ends_identical(tmp_
 
     whole = torchrun_run(tmp_path / "whole", {})
     assert whole.returncode == 0, output(whole)
-    pythonpath = os.pathsep.join(filter(None, (str(KILLHOOK), os.environ.get("PYTHONPATH"))))
+    pythonpath = on_pythonpath(KILLHOOK)
     restarted = torchrun_run(tmp_path / "killed", {"PYTHONPATH": pythonpath, "KILL_AT_STEP": "17",
                                                    "KILL_SIGNAL": "SIGKILL", "KILL_ONCE_FILE": str(tmp_path / "once")})
     assert restarted.returncode == 0, output(restarted)

@@ -14,14 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from conftest import ROOT, output, read_scalars, run_cli
+from conftest import (ROOT, TESTS, assert_identical, final_state, on_pythonpath, one_error_line, output,
+                      read_scalars, run_cli, saved_config)
 from framework.checkpoint import open_checkpoint
-from framework.checkpoint.format import flatten
 from framework.task import ClassificationTask, StepOutput
-
-TESTS = str(Path(__file__).parent)
 
 
 class SelfSignalTask(ClassificationTask):
@@ -40,27 +37,11 @@ class SelfSignalTask(ClassificationTask):
         return super().training_step(batch)
 
 
-def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
-    """The last checkpoint's weights and optimizer, callback and task (torchmetrics states) tensors, whole (a
-    sharded one's gathered)."""
-    checkpoint = open_checkpoint(run_dir / "checkpoints" / "last")
-    state: dict[str, torch.Tensor] = {}
-    flatten(checkpoint.state(), state)
-    return {**checkpoint.model_state(),
-            **{f"state:{k}": v for k, v in state.items() if k.startswith(("/optimizer", "/callbacks", "/task"))}}
-
-
-def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert set(a) == set(b)
-    different = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not different, f"not bit-identical: {different[:5]}"
-
-
 def scenario(tmp_path: Path, *overrides: str, kill_at: int, kill_signal: str, kill_pid: str = "self"):
     # Dropout makes the global RNG matter: a resume that did not restore it would diverge.
     common = ("task._target_=test_resume.SelfSignalTask", "trainer.log_every_n_steps=10", "model.dropout=0.2",
               *overrides)
-    env = {"PYTHONPATH": TESTS}
+    env = {"PYTHONPATH": on_pythonpath(TESTS)}
     whole = run_cli(tmp_path / "whole", *common, env=env)
     assert whole.returncode == 0, output(whole)
     killed_dir = tmp_path / "killed"
@@ -100,18 +81,6 @@ def test_sigterm_mid_epoch_with_worker_processes_saves_last_and_resumes_bit_exac
 # A resumed run is the saved run: its group choices, presets and `+` keys come back from the checkpoint, and
 # this command line's overrides apply on top of it (never a mix with the default options' keys).
 SHORT = ("trainer.max_steps=12", "trainer.limit_train_batches=4", "trainer.test=false")
-
-
-def saved_config(run_dir: Path) -> dict[str, Any]:
-    return json.loads((run_dir / "checkpoints" / "last" / "meta.json").read_text())["config"]
-
-
-def one_error_line(proc) -> str:
-    text = output(proc)
-    assert proc.returncode != 0 and "Traceback" not in text, text
-    lines = [line for line in text.splitlines() if line.startswith("Error")]
-    assert len(lines) == 1, text
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +227,7 @@ def test_an_interpolation_inside_a_saved_config_stays_text(warmup_run, tmp_path)
 def test_a_checkpoint_whose_state_does_not_fit_the_run_is_skipped_for_an_older_one(tmp_path):
     """Intact files (their checksums match) whose optimizer state has the wrong shape: resume=RUN_DIR names it,
     skips it and resumes from the newest checkpoint that restores; named explicitly, it is one error."""
-    from framework.checkpoint import open_checkpoint, write_checkpoint
+    from framework.checkpoint import write_checkpoint
 
     run_dir = tmp_path / "run"
     assert run_cli(run_dir, *SHORT, "checkpoint.every_n_steps=4", "checkpoint.keep_last=-1").returncode == 0

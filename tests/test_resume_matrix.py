@@ -30,10 +30,8 @@ import pytest
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from conftest import CONF, ROOT, make_cifar10, make_image_folder, make_mnist, output, run_cli
-from test_resume import assert_identical, final_state
-
-KILLHOOK = Path(__file__).parent / "killhook"
+from conftest import (CONF, KILLHOOK, ROOT, assert_identical, final_state, make_cifar10, make_image_folder,
+                      make_mnist, on_pythonpath, output, run_cli)
 
 # Small runs on the CPU (where bit-exactness is promised): 10 batches of 4 per epoch, 30 steps; periodic
 # checkpoints every 6 steps, all kept. Clipping keeps every preset finite on random pixels (cifar10's
@@ -120,7 +118,7 @@ def interrupted_and_resumed(run_dir: Path, overrides: tuple[str, ...], kill_at: 
                             kill_signal: str) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
     """Run, interrupted by `kill_signal` after optimizer step `kill_at`; then resume with `resume=RUN_DIR`
     alone, which continues in `run_dir` itself. Returns both processes."""
-    pythonpath = os.pathsep.join(filter(None, (str(KILLHOOK), os.environ.get("PYTHONPATH"))))
+    pythonpath = on_pythonpath(KILLHOOK)
     killed = run_cli(run_dir, *overrides, fast=False,
                      env={**ENV, "PYTHONPATH": pythonpath, "KILL_AT_STEP": str(kill_at), "KILL_SIGNAL": kill_signal})
     assert not (run_dir / "summary.json").exists(), f"not interrupted before its end:\n{output(killed)}"
@@ -181,7 +179,7 @@ def test_callback_state_survives_two_kills_at_random_steps_bit_exact(case, tmp_p
     assert run_cli(whole, *overrides, fast=False, env=ENV).returncode == 0
     rng = random.Random(case)
     killed = tmp_path / "killed"
-    pythonpath = os.pathsep.join(filter(None, (str(KILLHOOK), os.environ.get("PYTHONPATH"))))
+    pythonpath = on_pythonpath(KILLHOOK)
     first, second = rng.randint(5, 30), rng.randint(3, 20)
     for run_args, kill_at in (((killed, *overrides), first), ((None, f"resume={killed}"), second)):
         proc = run_cli(*run_args, fast=False, env={**ENV, "PYTHONPATH": pythonpath, "KILL_AT_STEP": str(kill_at),

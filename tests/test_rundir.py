@@ -2,32 +2,16 @@
 invocation refused at start leaves nothing behind (framework/rundir.py, framework/app.py)."""
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from conftest import ROOT, output, run_cli
+from conftest import ROOT, fingerprint, one_error_line, output, run_cli
 from framework.rundir import LOCK_FILE, RunDirLock
 
 SHORT = ("trainer.max_steps=6", "trainer.limit_train_batches=3", "trainer.test=false")
-
-
-def fingerprint(run_dir: Path) -> dict[str, str]:
-    """Every file of a run (but its appended log) and its content hash."""
-    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name not in ("run.log", LOCK_FILE)}
-
-
-def one_error_line(proc: subprocess.CompletedProcess) -> str:
-    text = output(proc)
-    assert proc.returncode != 0 and "Traceback" not in text, text
-    lines = [line for line in text.splitlines() if line.startswith("Error")]
-    assert len(lines) == 1, text
-    return lines[0]
 
 
 def test_a_new_run_in_a_directory_that_holds_a_run_is_refused_and_changes_nothing(tmp_path):

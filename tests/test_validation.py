@@ -8,7 +8,6 @@ below are the user's own code in those tests: the subprocess imports them as `te
 """
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +17,11 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
-from conftest import output, run_cli
+from conftest import TESTS, on_pythonpath, one_error_line, output, run_cli
 from framework.task import StepOutput, Task
 
 TINY = ("trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "trainer.test=false")
-ON_PATH = {"PYTHONPATH": str(Path(__file__).resolve().parent)}  # so `test_validation.Triples` imports
+ON_PATH = {"PYTHONPATH": on_pythonpath(TESTS)}  # so `test_validation.Triples` imports
 
 
 # ---------------------------------------------------------------- a user's own code, wrong in one way each
@@ -104,16 +103,9 @@ def plain_loss(output, target):  # unannotated: the config cannot tell it takes 
 
 # ---------------------------------------------------------------- helpers
 def fail(run_dir: Path, *overrides: str) -> str:
-    """Run with `overrides`; assert a user error's form (non-zero exit, no traceback, exactly one `Error` line,
-    the last one printed) and return that line."""
-    proc: subprocess.CompletedProcess = run_cli(run_dir, *TINY, *overrides, env=ON_PATH)
-    text = output(proc)
-    assert proc.returncode != 0, text
-    assert "Traceback" not in text, text
-    lines = [line for line in text.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("Error")]
-    assert errors == lines[-1:], text
-    return errors[0]
+    """Run with `overrides` (this module on PYTHONPATH); assert a user error's form (conftest.one_error_line) and
+    return its line."""
+    return one_error_line(run_cli(run_dir, *TINY, *overrides, env=ON_PATH))
 
 
 def case(*overrides: str, says: tuple[str, ...], id: str) -> Any:
