@@ -1,6 +1,14 @@
-"""Shared test helpers: run the real CLI in a subprocess and read its one error line, compose configs in-process,
-read TensorBoard events and checkpoints, write small datasets in their official on-disk formats. Test modules
-import them from here, never from each other."""
+"""Shared test helpers and the suite's tiers.
+
+Tiers: every test is exactly one of `unit` (in this process: parts built directly, no subprocess; `make
+test-fast`) or `e2e` (runs run.py or another process), plus `distributed` (process groups: DDP, FSDP,
+torchrun) and `slow` (over ~20 s on its own) where they apply. A module's `pytestmark` gives its tests' tier; a
+test's own `@pytest.mark.unit` or `@pytest.mark.e2e` replaces it. A test with no tier is a collection error, so
+a new test cannot fall outside both, and a unit test that starts a process fails.
+
+Helpers: run the real CLI in a subprocess and read its one error line, compose configs in-process, read
+TensorBoard events and checkpoints, write small datasets in their official on-disk formats. Test modules import
+them from here, never from each other."""
 from __future__ import annotations
 
 import hashlib
@@ -193,3 +201,67 @@ def make_image_folder(root: Path, classes: dict[str, tuple[str, ...]], per_class
                 pixels = rng.integers(0, 256, (20 + i, 30, 3), dtype=np.uint8)
                 image = Image.fromarray(pixels)
                 (image.convert("L") if i == 0 else image).save(folder / f"{i}.png")
+
+
+# ---------------------------------------------------------------------------------------------- tiers
+TIERS = ("unit", "e2e")
+MARKERS = {
+    "unit": "in this process, no subprocess: parts built directly (make test-fast runs these)",
+    "e2e": "runs run.py or another process (a subprocess, spawned workers, torchrun)",
+    "distributed": "process groups: DDP, FSDP, torchrun (beside unit or e2e)",
+    "slow": "over ~20 s on its own on an idle core",
+}
+# Modules whose owners are rewriting them now: their tests' tier until the module's own pytestmark gives one.
+PENDING_TIERS = {"test_cli.py": "e2e", "test_package.py": "e2e", "test_task_contract.py": "e2e"}
+# What starts a process (subprocess, os.fork: DataLoader workers, os.posix_spawn, os.system, os.exec*).
+SPAWNS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system", "os.exec"}
+_unit_test_running = {"id": ""}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, meaning in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {meaning}")
+    sys.addaudithook(_refuse_processes_in_unit_tests)
+
+
+def _refuse_processes_in_unit_tests(event: str, args: tuple) -> None:
+    if event in SPAWNS and _unit_test_running["id"]:
+        raise RuntimeError(f"{_unit_test_running['id']} is marked unit but started a process ({event} "
+                           f"{str(args[:1])[:80]}); mark it e2e")
+
+
+def _tier(item: pytest.Item) -> str | None:
+    """The closest node's tier mark (the test's, its class's, its module's), else its module's pending tier;
+    None when it has none, or two on one node."""
+    for node in reversed(item.listchain()):
+        found = {mark.name for mark in node.own_markers if mark.name in TIERS}
+        if found:
+            return found.pop() if len(found) == 1 else None
+    return PENDING_TIERS.get(item.path.name)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test gets its one tier as its own mark, and its module's and class's tier marks are dropped, so that a
+    test's own tier replaces its module's under -m, as it reads in the source."""
+    tiers = {item: _tier(item) for item in items}
+    untiered = [item.nodeid for item, tier in tiers.items() if tier is None]
+    if untiered:
+        raise pytest.UsageError(f"{len(untiered)} test(s) with no tier (or both): {', '.join(untiered[:5])}; "
+                                "expected exactly one of @pytest.mark.unit (in this process, no subprocess) or "
+                                "@pytest.mark.e2e (another process), on the test or its module's pytestmark")
+    for node in {parent for item in items for parent in item.listchain()[:-1]}:
+        node.own_markers[:] = [mark for mark in node.own_markers if mark.name not in TIERS]
+    for item, tier in tiers.items():
+        item.own_markers[:] = [mark for mark in item.own_markers if mark.name not in TIERS]
+        item.add_marker(tier)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """A unit test (its fixtures' set-up included) that starts a process fails, naming what it started."""
+    _unit_test_running["id"] = item.nodeid if item.get_closest_marker("unit") else ""
+    try:
+        yield
+    finally:
+        _unit_test_running["id"] = ""

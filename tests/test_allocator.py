@@ -12,7 +12,8 @@ import pytest
 
 from conftest import ROOT
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")]
 
 STEPS = r"""
 import resource, statistics, sys

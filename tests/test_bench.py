@@ -18,6 +18,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import handwritten  # noqa: E402
 import overhead  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 
 def test_synthetic_data_is_the_specified_seeded_classification():
     x, y = classification().tensors
@@ -81,6 +83,7 @@ def test_overhead_script_runs_end_to_end(capsys):
     assert "lightning: not installed (or --no-lightning); skipped" in out
 
 
+@pytest.mark.e2e
 def test_realistic_script_runs_end_to_end(tmp_path, capsys):
     """bench/realistic.py on 20 PNGs: its ImageFolder, then the framework (run.py in a subprocess, timing read
     from its run directory) and the hand-written loop, one repetition of 2 epochs each."""

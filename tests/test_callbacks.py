@@ -20,6 +20,8 @@ from framework.callbacks import EMA, Callback, CallbackList, EarlyStopping, Grad
 from framework.checkpoint import open_checkpoint
 from framework.trainer import Trainer
 
+pytestmark = pytest.mark.unit
+
 QUIET = ("logger.progress_bar=false", "trainer.test=false")
 
 
@@ -93,6 +95,7 @@ def test_callbacks_group_presets_compose_and_can_be_switched_off_or_added(compos
     assert added.mine._target_ == "experiments.callbacks.MetricHistory"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("override", "expected"), [
     ("+callbacks.mine=3", "callbacks.mine=3: expected a node with a _target_"),
     ("+callbacks.mine={_target_: torch.nn.Linear, in_features: 2, out_features: 2}",
@@ -110,12 +113,14 @@ def test_a_bad_callback_setting_is_one_line_naming_its_key(tmp_path, override, e
     assert "Traceback" not in output(proc), output(proc)
 
 
+@pytest.mark.e2e
 def test_lightning_names_point_to_ours(tmp_path):
     proc = run_cli(tmp_path / "run", "+trainer.val_check_interval=5")
     assert "did you mean 'trainer.val_every_n_steps'" in output(proc), output(proc)
 
 
 # ---------------------------------------------------------------------------------------------- early stopping
+@pytest.mark.e2e
 def test_early_stopping_stops_on_val_loss_and_says_why(tmp_path):
     # The issue's command, made certain to stall: no improvement can exceed min_delta=10.
     proc = run_cli(tmp_path / "run", "callbacks=default", "trainer.max_epochs=300",
@@ -177,6 +182,7 @@ def test_ema_follows_the_formula_and_leaves_the_raw_weights_bit_identical(compos
     assert summary["val/loss"] != plain.metrics["val/loss"]
 
 
+@pytest.mark.e2e
 def test_ema_weights_are_in_the_pickle_free_checkpoint_and_export_uses_them(tmp_path):
     run = tmp_path / "run"
     proc = run_cli(run, "callbacks=[default,ema]", "callbacks.ema.decay=0.5", "trainer.max_epochs=1")
@@ -195,6 +201,7 @@ def test_ema_weights_are_in_the_pickle_free_checkpoint_and_export_uses_them(tmp_
 
 
 # ---------------------------------------------------------------------------------------------- time limit
+@pytest.mark.e2e
 def test_a_run_scoped_timer_stops_cleanly_saves_last_and_a_resume_gets_the_budget_left(tmp_path):
     """Lightning's Timer as a callback, scope=run: the budget counts every job of the run (trainer.max_time counts
     one job: tests/test_requeue.py)."""
@@ -258,6 +265,7 @@ def test_val_every_n_steps_validates_mid_epoch_and_top_k_and_plateau_act_on_it(c
 
 
 # ---------------------------------------------------------------------------------------------- a user's callback
+@pytest.mark.e2e
 def test_a_callback_from_experiments_with_its_yaml_file(tmp_path):
     run = tmp_path / "run"
     proc = run_cli(run, "callbacks=[default,metric_history]", "trainer.max_epochs=2", "trainer.val_every_n_steps=15")

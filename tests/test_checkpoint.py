@@ -27,6 +27,8 @@ from framework.errors import ConfigError
 from framework.instantiate import build
 from framework.resume import find_checkpoint
 
+pytestmark = pytest.mark.unit
+
 SMALL = ("trainer.max_epochs=3", "trainer.limit_train_batches=2")  # 3 epochs of 2 steps: steps 2, 4, 6
 
 
@@ -349,6 +351,7 @@ def test_a_file_replaced_after_it_was_verified_is_verified_again(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- 3. damage
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", DAMAGE)
 def test_resume_run_dir_skips_a_damaged_checkpoint_with_a_warning_naming_it(base, tmp_path, caplog, kind):
     run_dir = copy_run(base, tmp_path)
@@ -362,6 +365,7 @@ def test_resume_run_dir_skips_a_damaged_checkpoint_with_a_warning_naming_it(base
     assert f"Skipping a damaged checkpoint: checkpoint {last}: {file}" in caplog.text
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", DAMAGE)
 def test_a_damaged_checkpoint_named_explicitly_is_one_clear_error(base, tmp_path, kind):
     run_dir = copy_run(base, tmp_path)
@@ -372,6 +376,7 @@ def test_a_damaged_checkpoint_named_explicitly_is_one_clear_error(base, tmp_path
         find_checkpoint(str(last), tmp_path / "new")
 
 
+@pytest.mark.e2e
 def test_cli_resume_run_dir_with_a_damaged_last_resumes_from_the_newest_intact(base, tmp_path):
     run_dir = copy_run(base, tmp_path)
     folder = run_dir / "checkpoints"
@@ -387,6 +392,7 @@ def test_cli_resume_run_dir_with_a_damaged_last_resumes_from_the_newest_intact(b
     assert step_of(folder / "last") == 6  # the damaged last was replaced by an intact one
 
 
+@pytest.mark.e2e
 def test_cli_resume_of_a_damaged_checkpoint_named_explicitly_is_one_error_line(base, tmp_path):
     run_dir = copy_run(base, tmp_path)
     flip_a_byte(run_dir / "checkpoints" / "last")
@@ -395,12 +401,14 @@ def test_cli_resume_of_a_damaged_checkpoint_named_explicitly_is_one_error_line(b
 
 
 # ---------------------------------------------------------------------------------------------- 4. mismatch
+@pytest.mark.e2e
 def test_cli_resume_with_another_model_option_is_one_error_naming_the_group(base, tmp_path):
     line = one_error_line(run_cli(tmp_path / "new", f"resume={base[0] / 'checkpoints' / 'last'}", "model=cnn"))
     assert "model=cnn: the run used model=mlp, and its weights cannot carry over" in line
     assert not (tmp_path / "new").exists()  # refused before it started: no run directory left behind
 
 
+@pytest.mark.e2e
 def test_cli_resume_with_a_model_value_that_changes_the_weights_is_one_error_listing_the_keys(base, tmp_path):
     line = one_error_line(run_cli(tmp_path / "new", f"resume={base[0] / 'checkpoints' / 'last'}",
                                   "model.hidden=[32]"))
@@ -408,6 +416,7 @@ def test_cli_resume_with_a_model_value_that_changes_the_weights_is_one_error_lis
     assert "shape mismatch net.1.weight (256, 64) vs (32, 64)" in line
 
 
+@pytest.mark.e2e
 def test_init_from_a_checkpoint_of_another_model_is_one_error_listing_the_keys(compose, base, tmp_path):
     from framework.trainer import Trainer
 
@@ -476,6 +485,7 @@ def test_init_from_an_unreadable_file_is_a_config_error(tmp_path, name, content)
 
 
 # ---------------------------------------------------------------------------------------------- 6. no pickle
+@pytest.mark.e2e
 def test_no_checkpoint_file_is_a_pickle(base):
     files = [p for p in (base[0] / "checkpoints").rglob("*") if p.is_file()]
     assert {p.name for p in files} == {MODEL_FILE, STATE_FILE, META_FILE}
@@ -490,6 +500,7 @@ def test_no_checkpoint_file_is_a_pickle(base):
 
 
 # ---------------------------------------------------------------------------------------------- 7. resume modes
+@pytest.mark.e2e
 def test_resume_auto_starts_fresh_then_resumes_in_place(base, tmp_path):
     first_dir, first = base
     assert f"resume=auto: no checkpoint in {first_dir}; starting fresh" in first and "Resumed" not in first
@@ -505,6 +516,7 @@ def digest(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.e2e
 def test_resume_checkpoint_dir_starts_a_new_run_directory_from_its_state(base, tmp_path):
     source = base[0] / "checkpoints" / "step-4"
     before = digest(base[0])
@@ -518,6 +530,7 @@ def test_resume_checkpoint_dir_starts_a_new_run_directory_from_its_state(base, t
     assert digest(base[0]) == before  # the original run is untouched
 
 
+@pytest.mark.e2e
 def test_resume_run_dir_applies_overrides_and_lists_them(base, tmp_path):
     run_dir = copy_run(base, tmp_path)
     proc = run_cli(None, f"resume={run_dir}", "trainer.max_epochs=5", fast=False)  # no run dir: it continues there

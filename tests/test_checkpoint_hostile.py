@@ -41,6 +41,8 @@ from framework.checkpoint import (MAX_META_BYTES, META_FILE, MODEL_FILE, STATE_F
                                   validate_state, write_checkpoint)
 from framework.errors import ConfigError, UserError
 
+pytestmark = pytest.mark.unit
+
 S = torch.optim.lr_scheduler
 
 
@@ -864,6 +866,7 @@ def limit_file_size(limit: int) -> Callable[[], None]:
     return apply
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["model file", "state file", "meta file", "background, raised at wait",
                                   "background, raised at the next write"])
 def test_a_save_beyond_the_file_size_limit_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, mode):
@@ -899,6 +902,7 @@ def copy_run(base: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(base, tmp_path / "run", symlinks=True))
 
 
+@pytest.mark.e2e
 def test_cli_resume_run_dir_walks_past_every_hostile_entry_to_the_newest_intact_checkpoint(base, tmp_path):
     run = copy_run(base, tmp_path)
     folder = run / "checkpoints"
@@ -932,6 +936,7 @@ CLI_DAMAGE = {  # how the named checkpoint is damaged -> what the one error line
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", CLI_DAMAGE)
 def test_cli_resume_of_a_hostile_checkpoint_named_explicitly_is_one_error_line(base, tmp_path, kind):
     run = copy_run(base, tmp_path)
@@ -942,6 +947,7 @@ def test_cli_resume_of_a_hostile_checkpoint_named_explicitly_is_one_error_line(b
     assert f"checkpoint {last}: {says}" in line, line
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("async_save", ["true", "false"])
 def test_cli_a_periodic_save_beyond_the_file_size_limit_stops_with_one_line_and_the_run_resumes_later(base, tmp_path,
                                                                                                        async_save):

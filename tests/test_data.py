@@ -1,10 +1,13 @@
 """Batch order: seeded per epoch, identical on the fast path and through DataLoader, resumable, shardable."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from framework.data import DataModule, EpochSampler
+
+pytestmark = pytest.mark.unit
 
 
 class Plain(Dataset):
@@ -80,6 +83,7 @@ def test_eval_splits_are_not_shuffled_and_use_eval_batch_size():
     assert _labels(dm.batches("val")) == [list(range(10)), list(range(10, 20)), list(range(20, 25))]
 
 
+@pytest.mark.e2e
 def test_close_lets_persistent_workers_exit_at_once_and_the_next_epoch_starts_new_ones():
     """Left to the garbage collector (the data module sits in the trainer's reference cycles), persistent
     workers never got the exit request and were each waited for 5 s, then terminated: 20 s at the end of every

@@ -18,6 +18,8 @@ from framework.data import DataModule
 from framework.errors import ConfigError
 from framework.instantiate import build
 
+pytestmark = pytest.mark.unit
+
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 QUICK = ("data.num_workers=0", "data.persistent_workers=false", "data.pin_memory=false", "trainer.max_epochs=1")
@@ -114,6 +116,7 @@ def test_mnist_folder_without_idx_files_names_the_missing_files(compose, tmp_pat
         build(cfg.data, "data")
 
 
+@pytest.mark.e2e
 def test_mnist_trains_end_to_end_with_persistent_worker_processes(tmp_path):
     root = tmp_path / "data"
     make_mnist(root)
@@ -125,6 +128,7 @@ def test_mnist_trains_end_to_end_with_persistent_worker_processes(tmp_path):
     assert result["epoch"] == 2 and {"val/acc", "test/acc"} <= set(result)
 
 
+@pytest.mark.e2e
 def test_mnist_root_that_does_not_exist_is_one_error_line_naming_data_root(tmp_path):
     proc = run_cli(tmp_path / "run", "data=mnist", "data.root=/does/not/exist")
     line = one_error_line(proc)
@@ -156,6 +160,7 @@ def test_cifar10_pickles_load_channels_first_with_exact_pixels(compose, tmp_path
                           atol=1e-5) and label == test_labels[7]
 
 
+@pytest.mark.e2e
 def test_cifar10_unofficial_files_fail_the_checksum_with_one_line_naming_the_switch(tmp_path):
     root = tmp_path / "data"
     make_cifar10(root)
@@ -165,6 +170,7 @@ def test_cifar10_unofficial_files_fail_the_checksum_with_one_line_naming_the_swi
     assert "data_batch_1" in line and "data.train.dataset.verify_checksums=false" in line
 
 
+@pytest.mark.e2e
 def test_cifar10_unofficial_files_train_end_to_end_without_checksums(tmp_path):
     root = tmp_path / "data"
     make_cifar10(root)
@@ -206,6 +212,7 @@ def test_image_folder_val_with_other_class_folders_is_refused(compose, tmp_path)
         build(cfg.data, "data")
 
 
+@pytest.mark.e2e
 def test_image_folder_trains_end_to_end(tmp_path):
     root = tmp_path / "data"
     make_image_folder(root, {"train": ("cat", "dog", "emu"), "val": ("cat", "dog", "emu")})
@@ -218,6 +225,7 @@ def test_image_folder_trains_end_to_end(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- FakeData
+@pytest.mark.e2e
 def test_fake_data_trains_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_cli(run_dir, "data=fake", "model=cnn", "data.train.size=64", "data.val.size=32",
@@ -227,6 +235,7 @@ def test_fake_data_trains_end_to_end(tmp_path):
     assert result["step"] == 1 and result["epoch"] == 1 and "val/acc" in result
 
 
+@pytest.mark.e2e
 def test_a_cifar10_file_that_would_run_code_is_refused_with_one_line(tmp_path):
     """The batches are pickles; with verify_checksums=false nothing vouches for them, so only the types CIFAR-10
     holds may be unpickled: a file naming any other callable is one error line and its code never runs."""

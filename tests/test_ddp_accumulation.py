@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -16,6 +17,8 @@ from conftest import final_state, output, run_cli
 from framework.launch import free_port
 from framework.parallel import DDPStrategy
 from framework.trainer import Trainer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
 ACCUMULATE = 4
 # 10 micro-batches per epoch in windows of 4, 4 and 2: six optimizer steps cross an epoch boundary and take

@@ -21,6 +21,8 @@ from conftest import (KILLHOOK, TESTS, fingerprint, make_image_folder, make_mnis
                       output, run_cli, saved_config)
 from framework.zoo.models import MLP
 
+pytestmark = pytest.mark.e2e
+
 # After its 2nd of 4 steps (its first checkpoint is at the epoch's end); this module importable, for its model.
 KILL_IN_FIRST_EPOCH = {"PYTHONPATH": on_pythonpath(KILLHOOK, TESTS),
                        "KILL_AT_STEP": "2", "KILL_SIGNAL": "SIGKILL"}

@@ -16,6 +16,8 @@ from framework import config
 from framework.config import LIGHTNING_NAMES, TrainerConfig
 from framework.errors import ConfigError
 
+pytestmark = pytest.mark.unit
+
 TRAINER_KEYS = {f.name for f in fields(TrainerConfig)}
 
 
@@ -56,6 +58,7 @@ def test_debug_wins_over_an_experiment_and_the_command_line_over_both(compose) -
     assert cfg.trainer.max_epochs == 1 and cfg.trainer.device == "auto" and cfg.trainer.limit_train_batches == 5
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("option", ["fdr", "limit"])
 def test_debug_run_trains_and_exits_0(tmp_path: Path, option: str) -> None:
     proc = run_cli(tmp_path / "run", f"debug={option}", "logger.progress_bar=false", fast=False)
@@ -91,6 +94,7 @@ REFUSED = [
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("overrides, says", REFUSED)
 def test_a_bad_value_of_a_lightning_key_is_one_error_line(tmp_path: Path, overrides: tuple[str, ...],
                                                            says: str) -> None:
@@ -193,6 +197,7 @@ HINTS = [
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("override, says", HINTS, ids=[override for override, _ in HINTS])
 def test_both_ways_of_typing_a_lightning_name_print_its_hint(tmp_path: Path, override: str, says: str) -> None:
     """Without `+` Hydra refuses the key while composing (cli.py reports it); with `+` it composes, and

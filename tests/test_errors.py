@@ -11,7 +11,11 @@ import math
 import re
 from pathlib import Path
 
+import pytest
+
 from conftest import one_error_line, output, read_scalars, run_cli
+
+pytestmark = pytest.mark.e2e
 
 # A run that does start training stays tiny.
 TINY = ("trainer.max_epochs=1", "trainer.limit_train_batches=2")

@@ -18,7 +18,8 @@ from conftest import ROOT, output, run_cli
 from framework import export
 from framework.instantiate import build
 
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")  # TorchScript is deprecated upstream
+# TorchScript is deprecated upstream
+pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")]
 
 
 @pytest.fixture(scope="module")

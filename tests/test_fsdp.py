@@ -22,7 +22,7 @@ from framework.checkpoint import DamagedCheckpoint, find_latest, open_checkpoint
 from framework.checkpoint.format import shard_files
 from framework.zoo.models import MLP
 
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")  # export's TorchScript
+pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")]  # export's TorchScript
 
 RUN = ("model.hidden=[32,1]", "model.dropout=0.2", "optimizer=adamw", "callbacks=[default,ema]",
        "trainer.max_steps=16", "trainer.limit_train_batches=8", "trainer.log_every_n_steps=4", "trainer.test=false",
@@ -46,6 +46,7 @@ def shard_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
             for key, value in load_file(str(checkpoint / name)).items()}
 
 
+@pytest.mark.distributed
 def test_a_sharded_checkpoint_has_every_ranks_files_and_its_layout(whole):
     last = whole / "checkpoints" / "last"
     assert sorted(p.name for p in last.iterdir()) == sorted([*shard_files(2), "meta.json"])
@@ -59,6 +60,7 @@ def test_a_sharded_checkpoint_has_every_ranks_files_and_its_layout(whole):
     assert "/callbacks/ema/weights/net.1.weight" in meta["shards"]["state"]  # the EMA of the shards, too
 
 
+@pytest.mark.distributed
 def test_training_under_fsdp_matches_ddp_whose_checkpoints_fsdp_refuses_in_one_line(whole, tmp_path):
     proc = run_cli(tmp_path / "ddp", "parallel=ddp", *RUN, fast=False, env=ENV)
     assert proc.returncode == 0, output(proc)
@@ -76,6 +78,7 @@ def test_training_under_fsdp_matches_ddp_whose_checkpoints_fsdp_refuses_in_one_l
     assert output(resumed).count("Error:") == 1 and "cannot be resumed with parallel=fsdp" in output(resumed)
 
 
+@pytest.mark.distributed
 def test_sigkill_then_resume_ends_bit_identical_to_the_uninterrupted_run(whole, tmp_path):
     killed_dir = tmp_path / "killed"
     killed = run_cli(killed_dir, "parallel=fsdp", *RUN, fast=False,
@@ -91,6 +94,7 @@ def test_sigkill_then_resume_ends_bit_identical_to_the_uninterrupted_run(whole, 
     assert not different, f"not bit-identical: {different[:5]}"
 
 
+@pytest.mark.distributed
 def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(whole, tmp_path):
     run_dir = Path(shutil.copytree(whole, tmp_path / "run"))
     proc = run_cli(None, f"resume={run_dir}", "trainer.max_steps=18", "parallel.devices=1", fast=False, env=ENV)
@@ -101,6 +105,7 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(whole, tmp_
                                                                 "model-rank0-of1.safetensors").is_file()
 
 
+@pytest.mark.distributed
 def test_discovery_skips_a_checkpoint_with_a_damaged_or_missing_shard(whole, tmp_path, caplog):
     run_dir = Path(shutil.copytree(whole, tmp_path / "run"))  # a copy: the hard links become files of their own
     folder = run_dir / "checkpoints"
@@ -120,6 +125,7 @@ def test_discovery_skips_a_checkpoint_with_a_damaged_or_missing_shard(whole, tmp
     assert "step-20.tmp" not in caplog.text
 
 
+@pytest.mark.distributed
 def test_a_layout_whose_parts_do_not_tile_the_tensor_is_one_line(whole, tmp_path):
     checkpoint = Path(shutil.copytree(whole / "checkpoints" / "step-4", tmp_path / "step-4"))
     meta = json.loads((checkpoint / "meta.json").read_text())
@@ -129,6 +135,7 @@ def test_a_layout_whose_parts_do_not_tile_the_tensor_is_one_line(whole, tmp_path
         open_checkpoint(checkpoint)
 
 
+@pytest.mark.distributed
 def test_export_gathers_the_whole_model_from_the_shards(whole, tmp_path, capsys):
     last = whole / "checkpoints" / "last"
     assert export.main([str(last), "--out", str(tmp_path), "--raw"]) == 0, capsys.readouterr().err
@@ -155,6 +162,7 @@ def test_fsdp_options_under_another_strategy_are_one_line(tmp_path):
 
 
 
+@pytest.mark.unit
 def test_the_lm_experiments_text_is_batched_by_its_collate_fn(compose):
     # (experiment=lm_fsdp's data; a DataModule with a collate_fn takes the DataLoader path)
     from framework.instantiate import build

@@ -12,6 +12,8 @@ import pytest
 
 from conftest import KILLHOOK, assert_identical, final_state, on_pythonpath, output, read_scalars, run_cli
 
+pytestmark = pytest.mark.e2e
+
 # 20 batches of 64 per epoch; a periodic checkpoint every 7 steps, saved inline (a SIGKILL may come right after).
 PORT = ("experiment=lit_mnist", "logger.progress_bar=false", "trainer.max_epochs=4", "trainer.log_every_n_steps=5",
         "checkpoint.every_n_steps=7", "checkpoint.keep_last=-1", "checkpoint.async_save=false")

@@ -24,6 +24,8 @@ from framework.errors import ConfigError
 from framework.metrics import Accuracy
 from framework.task import ClassificationTask
 
+pytestmark = pytest.mark.unit
+
 CLASSES = 10
 
 
@@ -103,8 +105,9 @@ def predictions(run_dir: Path, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         return model.eval()(data.tensors[0]), data.tensors[1]
 
 
-@pytest.mark.parametrize("parallel", [(), ("parallel=ddp", "parallel.devices=2", "trainer.device=cpu")],
-                         ids=["single", "ddp"])
+@pytest.mark.e2e
+@pytest.mark.parametrize("parallel", [(), pytest.param(("parallel=ddp", "parallel.devices=2", "trainer.device=cpu"),
+                                                          marks=pytest.mark.distributed)], ids=["single", "ddp"])
 def test_f1_and_auroc_of_a_run_equal_scikit_learns_on_the_same_predictions(tmp_path, parallel):
     proc = run_cli(tmp_path, *RUN, *parallel)
     assert proc.returncode == 0, output(proc)

@@ -7,6 +7,8 @@ from torch import nn
 
 from framework.zoo.models import resnet18
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("shape, stem, cifar, layer4_side", [
     ((3, 32, 32), "auto", True, 4),        # CIFAR: 3x3 stride-1 conv, no max-pool

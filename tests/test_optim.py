@@ -15,6 +15,8 @@ from framework.errors import ConfigError
 from framework.optim import build_optimizer, build_scheduler, describe_groups, lr_plan
 from framework.trainer import Trainer
 
+pytestmark = pytest.mark.unit
+
 
 class Net(nn.Module):
     def __init__(self) -> None:

@@ -23,6 +23,8 @@ from framework.launch import _host_store
 from framework.task import ClassificationTask, StepOutput
 from framework.trainer import Trainer
 
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
+
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent))
 
 if os.environ.get("RECORD_DIR"):  # which processes import this module: a spawned one must, a forked one need not
@@ -175,6 +177,7 @@ def test_a_config_error_under_ddp_is_printed_once_without_traceback(tmp_path):
     assert output(proc).count("Error:") == 1 and "momentm" in output(proc) and "Traceback" not in output(proc)
 
 
+@pytest.mark.unit
 def test_the_workers_store_is_served_before_they_start_so_no_other_process_can_take_its_port():
     """spawn() used to find a free port and let rank 0 bind it seconds later, once it had imported torch: a
     concurrent run, or another run's gloo connections, could take the port meanwhile. Now the parent serves the

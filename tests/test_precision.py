@@ -12,6 +12,8 @@ from framework.precision import Precision
 from framework.task import ClassificationTask, StepOutput
 from framework.trainer import Trainer
 
+pytestmark = pytest.mark.unit
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

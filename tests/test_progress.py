@@ -13,6 +13,8 @@ import pytest
 
 from conftest import ROOT, output, run_cli
 
+pytestmark = pytest.mark.e2e
+
 EPOCH_LINE = re.compile(r"^epoch (\d)/2  step (\d+)  train/loss [\d.]+  val/loss [\d.]+  val/acc [\d.]+  "
                         r"[\d,]+ samples/s  ETA \d:\d\d:\d\d$")
 

@@ -20,6 +20,8 @@ from framework import launch, provenance
 from framework.loggers import SUMMARY_LOGGER, print_summary
 from framework.task import ClassificationTask
 
+pytestmark = pytest.mark.e2e
+
 QUICK = ("trainer.max_epochs=1", "trainer.limit_train_batches=3", "checkpoint=none", "trainer.test=false")
 
 
@@ -64,6 +66,7 @@ def test_an_error_after_training_started_reaches_run_log(tmp_path):
     assert f"[ERROR] - {error}" in (run_dir / "run.log").read_text()
 
 
+@pytest.mark.unit
 def test_a_spawned_rank_zero_logs_the_summary_to_stdout_and_run_log(tmp_path, capsys):
     root, summary_logger = logging.getLogger(), logging.getLogger(SUMMARY_LOGGER)
     saved = (root.handlers[:], root.level, summary_logger.handlers[:], summary_logger.propagate)

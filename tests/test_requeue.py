@@ -22,6 +22,8 @@ import pytest
 from conftest import KILLHOOK, ROOT, TESTS, assert_identical, final_state, on_pythonpath, output, run_cli
 from framework.task import ClassificationTask, StepOutput
 
+pytestmark = pytest.mark.e2e
+
 QUICK = ("logger.progress_bar=false", "trainer.device=cpu", "trainer.test=false", "trainer.max_steps=60",
          "trainer.limit_train_batches=10", "checkpoint.every_n_steps=7", "model.dropout=0.2")
 
@@ -39,7 +41,7 @@ def scontrol(tmp_path: Path) -> tuple[dict[str, str], Path]:
     return env, calls
 
 
-@pytest.mark.parametrize("parallel", ["single", "ddp"])
+@pytest.mark.parametrize("parallel", ["single", pytest.param("ddp", marks=pytest.mark.distributed)])
 def test_sbatch_job_signalled_saves_requeues_once_and_continues_in_its_own_directory(tmp_path, scontrol, parallel):
     """ddp: the job's process is `run.py`, which spawned 2 workers; SLURM signals it, it forwards the signal,
     both workers stop after the same step and save, and the parent (not each worker) requeues the job."""
@@ -150,7 +152,7 @@ def _signal_while_starting(proc: subprocess.Popen, ready: Any, signals: list[sig
     return proc.communicate(timeout=180)[0]
 
 
-@pytest.mark.parametrize("moment", ["composing", "ddp-workers-importing"])
+@pytest.mark.parametrize("moment", ["composing", pytest.param("ddp-workers-importing", marks=pytest.mark.distributed)])
 def test_a_cluster_signal_while_the_run_starts_is_held_then_saved_requeued_and_resumed(tmp_path, scontrol, moment):
     """SLURM's USR1 (or scancel's TERM) can come before the training loop watches: while Hydra composes, torch
     is imported or spawned DDP workers start. Before, its default action killed the job (exit -10: no checkpoint,
@@ -265,6 +267,7 @@ def test_a_time_budget_shorter_than_the_job_stops_cleanly_and_the_same_command_f
     assert_identical(final_state(tmp_path / "whole"), final_state(run))
 
 
+@pytest.mark.distributed
 @pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="needs torchrun")
 def test_torchrun_restarts_a_killed_worker_group_and_the_run_ends_identical(tmp_path):
     """torchrun --max-restarts=1: rank 0 is SIGKILLed after step 17; torchrun restarts both workers, which take
@@ -293,6 +296,7 @@ def test_torchrun_restarts_a_killed_worker_group_and_the_run_ends_identical(tmp_
     assert_identical(final_state(tmp_path / "whole"), final_state(tmp_path / "killed"))
 
 
+@pytest.mark.unit
 def test_submitits_requeue_exit_is_told_from_a_jobs_own_sys_exit(monkeypatch):
     """A sweep job records a job's own SystemExit as failed and goes on; the SystemExit of submitit's requeue
     (its handler got a signal after the run's watch had ended) must reach submitit, which then requeues."""

@@ -20,6 +20,8 @@ from conftest import (ROOT, TESTS, assert_identical, final_state, on_pythonpath,
 from framework.checkpoint import open_checkpoint
 from framework.task import ClassificationTask, StepOutput
 
+pytestmark = pytest.mark.e2e
+
 
 class SelfSignalTask(ClassificationTask):
     """Plain classification, except that training step number $KILL_AT sends $KILL_SIGNAL to $KILL_PID

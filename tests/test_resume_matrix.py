@@ -33,6 +33,8 @@ from omegaconf import DictConfig, OmegaConf
 from conftest import (CONF, KILLHOOK, ROOT, assert_identical, final_state, make_cifar10, make_image_folder,
                       make_mnist, on_pythonpath, output, run_cli)
 
+pytestmark = pytest.mark.e2e
+
 # Small runs on the CPU (where bit-exactness is promised): 10 batches of 4 per epoch, 30 steps; periodic
 # checkpoints every 6 steps, all kept. Clipping keeps every preset finite on random pixels (cifar10's
 # 3072 inputs at sgd's lr 0.1 reach NaN by step 26 without it).

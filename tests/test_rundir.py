@@ -8,8 +8,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import ROOT, fingerprint, one_error_line, output, run_cli
 from framework.rundir import LOCK_FILE, RunDirLock
+
+pytestmark = pytest.mark.e2e
 
 SHORT = ("trainer.max_steps=6", "trainer.limit_train_batches=3", "trainer.test=false")
 

@@ -1,6 +1,10 @@
 import json
 
+import pytest
+
 from conftest import output, read_scalars, run_cli
+
+pytestmark = pytest.mark.e2e
 
 
 def test_default_run_trains_and_leaves_summary_events_and_config(tmp_path):

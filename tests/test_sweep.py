@@ -22,6 +22,8 @@ import torch
 from conftest import ROOT, output
 from framework.task import ClassificationTask, StepOutput
 
+pytestmark = pytest.mark.e2e
+
 QUICK = ("logger.progress_bar=false", "trainer.max_epochs=1", "trainer.limit_train_batches=3",
          "checkpoint=none", "trainer.test=false")
 
@@ -190,6 +192,7 @@ def test_joblib_launcher_runs_two_jobs_in_parallel(tmp_path):
     assert [r["status"] for r in rows(sweep_dir)] == ["ok", "ok"]
 
 
+@pytest.mark.distributed
 def test_joblib_jobs_start_dataloader_workers_and_ddp_workers(tmp_path):
     """A loky worker's multiprocessing default is loky's own context: a job's DataLoader workers died of it and
     its spawned DDP workers could not start. Both kinds of job, side by side, must train."""
@@ -304,6 +307,7 @@ def test_a_mistake_in_a_sweep_is_one_line_before_any_job_and_leaves_no_sweep_dir
     assert not sweep_dir.exists()
 
 
+@pytest.mark.unit
 def test_a_damaged_job_record_is_a_failed_row_not_a_lost_summary(tmp_path, capsys):
     """summary.json cut short or not an object, or a damaged overrides.yaml (foreign or damaged files), stopped
     the whole sweep summary."""
@@ -328,6 +332,7 @@ def test_a_damaged_job_record_is_a_failed_row_not_a_lost_summary(tmp_path, capsy
     assert "Sweep summary (4 jobs" in capsys.readouterr().out
 
 
+@pytest.mark.unit
 def test_a_metric_only_some_jobs_recorded_is_a_column_with_empty_cells_for_the_others(tmp_path, capsys):
     """A metric is any number in summary.json but the run's own fields (step, epoch, seconds...), whatever its name
     (a ported LightningModule logs `val_acc`); the objective leads, the rest follow by group."""
@@ -525,6 +530,7 @@ def test_slurm_launcher_preset_composes(tmp_path):
     assert "SlurmLauncher" in proc.stdout and "partition: gpu" in proc.stdout
 
 
+@pytest.mark.distributed
 def test_ddp_inside_a_multirun_job(tmp_path):
     proc, sweep_dir = sweep(tmp_path, "parallel=ddp", "optimizer.lr=0.05,0.1")
     assert proc.returncode == 0, output(proc)

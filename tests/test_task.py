@@ -8,6 +8,8 @@ from torch import nn
 from framework.metrics import Accuracy
 from framework.task import ClassificationTask
 
+pytestmark = pytest.mark.unit
+
 
 def test_accuracy_top1_and_topk():
     logits = torch.tensor([[0.9, 0.1, 0.0], [0.1, 0.2, 0.7], [0.5, 0.4, 0.1]])

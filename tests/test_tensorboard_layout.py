@@ -11,6 +11,8 @@ import pytest
 
 from framework.tensorboard_layout import layout
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 TAGS = ["train/loss", "val/loss", "val/acc", "test/loss", "test/acc", "best/val/acc", "best/val/loss",
         "lr/default", "lr/no_decay", "lr_plan/default", "grad_norm/total", "perf/step_ms", "amp/scale", "epoch"]
@@ -73,6 +75,7 @@ def test_written_layout_reads_back_with_tensorboards_reader(tmp_path):
     assert list(read_back) == list(expected)  # the order TensorBoard shows them in
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs chromium (apt-get install chromium)")
 def test_screenshot_tool_saves_a_png_of_each_page(tmp_path):
     from PIL import Image

@@ -13,6 +13,8 @@ from framework.task import ClassificationTask, StepOutput
 from framework.metric_logger import TaskHandle
 from framework.trainer import Trainer
 
+pytestmark = pytest.mark.unit
+
 PLAIN_SGD = ("optimizer.momentum=0.0", "optimizer.weight_decay=0.0")
 
 
@@ -139,6 +141,7 @@ def test_deterministic_mode_trains(compose, tmp_path):
     torch.use_deterministic_algorithms(False)
 
 
+@pytest.mark.e2e
 def test_compiled_model_trains_and_is_saved_unwrapped(compose, tmp_path):
     trainer = make_trainer(compose, tmp_path, "trainer.compile=true", "trainer.max_steps=2", "trainer.test=false",
                            "trainer.limit_val_batches=1")

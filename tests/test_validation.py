@@ -20,6 +20,8 @@ from torch.utils.data import Dataset, IterableDataset
 from conftest import TESTS, on_pythonpath, one_error_line, output, run_cli
 from framework.task import StepOutput, Task
 
+pytestmark = pytest.mark.e2e
+
 TINY = ("trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "trainer.test=false")
 ON_PATH = {"PYTHONPATH": on_pythonpath(TESTS)}  # so `test_validation.Triples` imports
 
@@ -195,6 +197,7 @@ def test_hardware_a_setting_names_must_be_there(tmp_path: Path) -> None:
         assert "parallel.backend='nccl': nccl needs CUDA" in line, line
 
 
+@pytest.mark.unit
 def test_values_at_the_edges_of_their_ranges_are_accepted(compose) -> None:
     from framework import config
 
@@ -266,8 +269,8 @@ def test_data_or_model_that_does_not_fit_is_named_at_the_first_batch(tmp_path: P
     assert not list(tmp_path.glob("checkpoints/*"))
 
 
-@pytest.mark.parametrize("overrides", [("model.dropout=0.5",),
-                                       ("model=cnn", "model.channels=[4,4]", "data.num_workers=1")])
+@pytest.mark.parametrize("overrides", [pytest.param(("model.dropout=0.5",), marks=pytest.mark.unit),
+                                       ("model=cnn", "model.channels=[4,4]", "data.num_workers=1")])  # workers: e2e
 def test_first_batch_check_changes_nothing_training_sees(compose, tmp_path: Path, monkeypatch,
                                                          overrides: tuple[str, ...]) -> None:
     """A run ends with the same weights (BatchNorm statistics included) with the check as without it: the
