@@ -14,18 +14,17 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import CONF, ROOT, output, run_cli
+from conftest import CONF, ROOT, one_error_line, output, run_cli
 from framework import cli, config
 
+pytestmark = pytest.mark.e2e
 
-def error_line(proc: subprocess.CompletedProcess) -> str:
-    """The run failed with exactly one non-empty line, `Error: ...`, and no traceback: return that line."""
-    text = output(proc)
-    lines = [line for line in text.splitlines() if line.strip()]
-    assert proc.returncode == 1, text
-    assert "Traceback" not in text, text
-    assert len(lines) == 1 and lines[0].startswith("Error: "), text
-    return lines[0]
+
+def only_line(proc: subprocess.CompletedProcess) -> str:
+    """The entry point's one `Error: ...` line (conftest.one_error_line), and nothing else was printed."""
+    line = one_error_line(proc)
+    assert output(proc).strip() == line, output(proc)
+    return line
 
 
 def assert_in(line: str, *fragments: str) -> None:
@@ -50,7 +49,7 @@ def assert_in(line: str, *fragments: str) -> None:
         "wrong-enum", "malformed"])
 def test_compose_mistake_is_one_line_naming_it_and_what_is_valid(tmp_path: Path, override: str,
                                                                   fragments: list[str]) -> None:
-    line = error_line(run_cli(tmp_path, override))
+    line = only_line(run_cli(tmp_path, override))
     assert_in(line, *fragments)
     if override.startswith("trainer."):  # a framework group: `+` cannot add a key, so it is never suggested
         assert "+" not in line, line
@@ -60,7 +59,7 @@ def test_compose_mistake_is_one_line_naming_it_and_what_is_valid(tmp_path: Path,
                          ids=["multirun-cfg", "info-multirun"])
 def test_two_of_hydras_modes_at_once_is_one_line(tmp_path: Path, flags: tuple[str, ...]) -> None:
     """Hydra itself raises a bare ValueError (with its traceback) for -m with --cfg or --info."""
-    line = error_line(run_cli(tmp_path, *flags))
+    line = only_line(run_cli(tmp_path, *flags))
     assert_in(line, "Only one of --run, --multirun, --cfg, --info", "expected --cfg job")
     assert not any(tmp_path.iterdir())
 
@@ -69,13 +68,13 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path: Path) -> None:
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)
     (conf / "model" / "cnn.yaml").write_text("_target_: framework.zoo.models.SimpleCNN\nhidden: [1, 2\ndropout: 0.0\n")
-    line = error_line(run_cli(tmp_path / "run", "model=cnn", f"--config-path={conf}"))
+    line = only_line(run_cli(tmp_path / "run", "model=cnn", f"--config-path={conf}"))
     assert_in(line, f"{conf / 'model' / 'cnn.yaml'} line 3: invalid YAML (expected ',' or ']'")
 
 
 def test_run_directory_that_cannot_be_made_is_named(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
-    line = error_line(run_cli(tmp_path / "file" / "run"))
+    line = only_line(run_cli(tmp_path / "file" / "run"))
     assert_in(line, f"hydra.run.dir={tmp_path / 'file' / 'run'}: cannot create or write the run directory",
               "Not a directory")
 
@@ -99,6 +98,7 @@ def test_help_lists_the_groups_options_without_internal_schemas(tmp_path: Path) 
     assert "schema" not in proc.stdout
 
 
+@pytest.mark.unit
 def test_omegaconf_error_raised_by_our_own_code_is_a_bug_not_a_user_mistake() -> None:
     strict = OmegaConf.create({"model": {}}, flags={"struct": True})
     with pytest.raises(Exception) as ours:

@@ -23,10 +23,11 @@ from types import SimpleNamespace
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, output
-from test_resume import assert_identical, final_state
+from conftest import ROOT, assert_identical, final_state, output
 
 import framework
+
+pytestmark = pytest.mark.e2e
 
 # This repository's example presets: they build experiments.*, which the wheel does not hold (pyproject.toml).
 EXAMPLES = ("experiment/digits_penalty.yaml", "experiment/digits_misclassified.yaml", "callbacks/metric_history.yaml",
