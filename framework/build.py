@@ -55,7 +55,7 @@ def build_components(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Comp
     task, model_attr = build_task(cfg)
     task_hooks.refuse_replaced(task)
     task_hooks.call_if_defined(task, "setup", "fit")  # before placing and wrapping, as Lightning does
-    model = place(cfg, task, model_attr, strategy)
+    model: Any = place(cfg, task, model_attr, strategy)
     precision = Precision(cfg.precision.mode.value, strategy.device)
     if t.compile:
         model = torch.compile(model)
@@ -115,10 +115,10 @@ def build_task(cfg: DictConfig) -> tuple[Task, str]:
     builds its model itself (`task.net: ${model}`, or a constructor that makes one) holds it in its one
     submodule with parameters."""
     target = locate(cfg.task.get("_target_"), "task")
-    params = dict(inspect.signature(target).parameters) if inspect.isclass(target) else {}
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        params.setdefault("model", None)  # (*args, **kwargs): passed on to Task's own `model`
-    given = next((name for name in ("model", "net") if name in params and name not in cfg.task), None)
+    params = inspect.signature(target).parameters if inspect.isclass(target) else {}
+    takes = set(params) | ({"model"} if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+                          else set())  # (*args, **kwargs): passed on to Task's own `model`
+    given = next((name for name in ("model", "net") if name in takes and name not in cfg.task), None)
     model: Optional[torch.nn.Module] = None
     if given is not None:
         model = build(cfg.model, "model")

@@ -129,7 +129,7 @@ class EvalLog:
                 seen = [rank[name] for rank in strategy.gather_objects(local) if name in rank]
                 values[name] = (max(seen) if logged[name] == "max" else min(seen)) if seen else math.nan
         for name, path in metrics.items():
-            metric = task.get_submodule(path)
+            metric: Any = task.get_submodule(path)  # a torchmetrics Metric
             values[name] = float(metric.compute())
             metric.reset()
         return outputs, values
@@ -386,7 +386,7 @@ class MetricLogger:
         if own is not None and "train/loss" not in self._task_train_names:
             values["train/loss_epoch"] = own
         for name, path in window.epoch_metrics.items():
-            metric = task.get_submodule(path)
+            metric: Any = task.get_submodule(path)  # a torchmetrics Metric
             values[name] = float(metric.compute())
             metric.reset()
         for path in self._step_metrics - set(window.epoch_metrics.values()):

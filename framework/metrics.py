@@ -48,7 +48,7 @@ class MeanAbsoluteError:
 _UPDATE_COUNT = "_update_count"
 
 
-def metric_state(metric: nn.Module) -> dict[str, Any]:
+def metric_state(metric: Any) -> dict[str, Any]:
     """A torchmetrics Metric's states (tensors, or lists of tensors for `cat` states) and update count, on the
     CPU, as a checkpoint holds them."""
     states = {name: ([t.detach().cpu() for t in value] if isinstance(value, list) else value.detach().cpu())
@@ -56,7 +56,7 @@ def metric_state(metric: nn.Module) -> dict[str, Any]:
     return {"states": states, "updates": int(metric.update_count)}
 
 
-def load_metric_state(metric: nn.Module, saved: dict[str, Any], device: torch.device) -> None:
+def load_metric_state(metric: Any, saved: dict[str, Any], device: torch.device) -> None:
     """Put back what `metric_state` returned."""
     for name, value in saved["states"].items():
         setattr(metric, name, [t.to(device) for t in value] if isinstance(value, list) else value.to(device))

@@ -44,7 +44,8 @@ class CheckHandle:
     callback_metrics: dict[str, float] = {}
 
     def __init__(self, is_global_zero: bool) -> None:
-        self.stage, self.names, self.is_global_zero = "train", [], is_global_zero
+        self.stage, self.is_global_zero = "train", is_global_zero
+        self.names: list[str] = []
 
     def log_from_task(self, name: str, value: Any, **_options: Any) -> None:
         as_tensor(name, value)  # a value of the wrong kind is refused here, before training

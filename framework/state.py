@@ -123,8 +123,9 @@ class TaskState:
     def local(self, hooks: bool = True) -> dict[str, Any]:
         """This rank's part; `hooks=False`: without calling the task's on_save_checkpoint (a snapshot, not a save)."""
         hook: dict[str, Any] = {}
-        if hooks and callable(getattr(self.task, "on_save_checkpoint", None)):
-            self.task.on_save_checkpoint(hook)
+        save_hook = getattr(self.task, "on_save_checkpoint", None)
+        if hooks and callable(save_hook):
+            save_hook(hook)
         return {"metrics": {path: metric_state(m) for path, m in self.metrics().items()},
                 "buffers": {name: b.detach().cpu() for name, b in self.buffers().items()}, "hook": hook}
 
@@ -161,8 +162,9 @@ class TaskState:
         missing = [p for p in [*metrics, *buffers] if p not in mine["metrics"] and p not in mine["buffers"]]
         if missing and hooks:
             log.info("resume: the task's %s not in the checkpoint: they start fresh", ", ".join(missing))
-        if hooks and callable(getattr(self.task, "on_load_checkpoint", None)):
-            self.task.on_load_checkpoint(dict(mine["hook"]))
+        load_hook = getattr(self.task, "on_load_checkpoint", None)
+        if hooks and callable(load_hook):
+            load_hook(dict(mine["hook"]))
 
 
 def _device_of(metric: torch.nn.Module) -> torch.device:

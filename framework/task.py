@@ -231,7 +231,7 @@ def as_step_output(out: Any, where: str, *, training: bool) -> Optional[StepOutp
     elif out is None or isinstance(out, Mapping):
         result = None
     else:
-        result = StepOutput(out)  # type: ignore[arg-type]  (refused below)
+        result = StepOutput(out)  # (refused below: not a tensor)
     if result is None:
         if training:
             raise ConfigError(f"task: {where} returned {describe(out)}; expected the loss: a tensor, a dict with "
@@ -277,21 +277,21 @@ class ClassificationTask(Task):
         self.loss = loss if loss is not None else nn.CrossEntropyLoss()
         configured = dict(metrics) if metrics is not None else {"acc": Accuracy()}
         self.metrics = {name: metric for name, metric in configured.items() if not is_stateful(metric)}
-        stateful = {name: metric for name, metric in configured.items() if is_stateful(metric)}
+        stateful: dict[str, Any] = {name: metric for name, metric in configured.items() if is_stateful(metric)}
         # One copy per split, so that a test never mixes with validation state. Submodules, so .to(device)
-        # moves them; their states are not persistent and the checkpoint saves only the model.
-        self.stateful_metrics = nn.ModuleDict({split: nn.ModuleDict(copy.deepcopy(stateful))
-                                               for split in ("val", "test")})
+        # moves them (and the task's state, framework/state.py TaskState, saves them).
+        self.stateful_metrics: Any = nn.ModuleDict({split: nn.ModuleDict(copy.deepcopy(stateful))
+                                                    for split in ("val", "test")})
 
-    def training_step(self, batch: Any) -> StepOutput:
+    def training_step(self, batch: Any, batch_idx: int = 0) -> StepOutput:
         # Training metrics are left out on purpose: the hot path computes only what backward needs.
         inputs, target = batch
         return StepOutput(self.loss(self.model(inputs), target))
 
-    def validation_step(self, batch: Any) -> StepOutput:
+    def validation_step(self, batch: Any, batch_idx: int = 0) -> StepOutput:
         return self.evaluation_step(batch, "val")
 
-    def test_step(self, batch: Any) -> StepOutput:
+    def test_step(self, batch: Any, batch_idx: int = 0) -> StepOutput:
         return self.evaluation_step(batch, "test")
 
     def evaluation_step(self, batch: Any, split: str) -> StepOutput:
@@ -368,7 +368,7 @@ class ClassificationTask(Task):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ConfigError(f"task.loss: {_name(self.loss)} returned {describe(loss)}; expected one number, "
                               "the loss reduced over the batch (e.g. reduction='mean')")
-        metrics = {**self.metrics, **self.stateful_metrics["val"]}
+        metrics: dict[str, Any] = {**self.metrics, **self.stateful_metrics["val"]}
         for name, metric in metrics.items():
             try:
                 if is_stateful(metric):  # on a copy: the step below updates the metric itself
