@@ -146,6 +146,50 @@ def replace(path: Path, data: bytes) -> None:
     path.write_bytes(data)
 
 
+def tiny_data(train: int = 12, val: int = 10, test: int = 10):
+    """A DataModule of inputs 0..n-1 as one feature, label 0: val as they are, test +50 and train +100 (a batch
+    tells its split); train in shuffled batches of 3, val and test in order in batches of 4 (4, 4, 2 for 10)."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from framework.data import DataModule
+
+    def split(n: int, offset: float) -> TensorDataset:
+        inputs = torch.arange(n, dtype=torch.float32).unsqueeze(1) + offset
+        return TensorDataset(inputs, torch.zeros(n, dtype=torch.long))
+
+    data = DataModule(split(train, 100.0), split(val, 0.0), split(test, 50.0), batch_size=3, eval_batch_size=4)
+    data.setup(seed=0)
+    return data
+
+
+def evaluator_for(task, data, *, run_dir: Path | None = None, overfit: int = 0, val_batches: float = 1.0):
+    """The run's parts around `task` on the CPU, built directly: its metric logger (TensorBoard in `run_dir`, none
+    without one), the handle its self.log goes through, and the Evaluator validation and test share."""
+    import torch
+
+    from framework.evaluate import Evaluator
+    from framework.loggers import TensorBoardLogger
+    from framework.metric_logger import MetricLogger, TaskHandle
+    from framework.parallel import Strategy
+    from framework.precision import Precision
+    from framework.state import Progress
+    from framework.stop import Stop
+    from framework.task import step_function
+
+    cpu, strategy = torch.device("cpu"), Strategy(torch.device("cpu"))
+    tensorboard = TensorBoardLogger(run_dir or Path("unused"), enabled=run_dir is not None)
+    logger = MetricLogger(device=cpu, tensorboard=tensorboard, bar=None, run_dir=run_dir, accumulate=1,
+                          steps_per_epoch=1)
+    logger.attach(task)
+    task.trainer = TaskHandle(logger, Progress(), Stop(strategy, 0, 0), is_global_zero=True, world_size=1,
+                              max_epochs=1, max_steps=-1)
+    step_fns = {m: step_function(task, m) for m in ("training_step", "validation_step", "test_step")}
+    return Evaluator(task=task, model_attr="model", data=data, strategy=strategy, precision=Precision("fp32", cpu),
+                     metric_logger=logger, step_fns=step_fns, limits={"val": val_batches, "test": 1.0},
+                     overfit=overfit)
+
+
 def write_idx(path: Path, array: np.ndarray) -> None:
     """A uint8 idx file as MNIST ships it: big-endian magic 0x0803 (images) or 0x0801 (labels), dims, bytes."""
     assert array.dtype == np.uint8
