@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from framework.compat import set_update_count
+
 
 def is_stateful(metric: Any) -> bool:
     """A torchmetrics.Metric, known by what it does: torchmetrics takes seconds to import, so only a config
@@ -43,9 +45,7 @@ class MeanAbsoluteError:
 # ---------------------------------------------------------------------------------- a Metric's state, resumable
 # torchmetrics saves a Metric's states in state_dict() only when made persistent, and load_state_dict() never
 # restores how many updates it has seen (`update_count`, which compute() and forward() read). Both are read here
-# through the public `metric_state` and `update_count`; the count is written back to the one private attribute
-# torchmetrics keeps it in (1.x), checked by tests/test_task_state.py, so a change there fails loudly.
-_UPDATE_COUNT = "_update_count"
+# through the public `metric_state` and `update_count`; the count goes back through framework.compat.
 
 
 def metric_state(metric: Any) -> dict[str, Any]:
@@ -60,7 +60,4 @@ def load_metric_state(metric: Any, saved: dict[str, Any], device: torch.device) 
     """Put back what `metric_state` returned."""
     for name, value in saved["states"].items():
         setattr(metric, name, [t.to(device) for t in value] if isinstance(value, list) else value.to(device))
-    if not hasattr(metric, _UPDATE_COUNT):
-        raise RuntimeError(f"torchmetrics {type(metric).__name__} has no {_UPDATE_COUNT}: framework.metrics was "
-                           "written for torchmetrics 1.x")
-    setattr(metric, _UPDATE_COUNT, int(saved["updates"]))
+    set_update_count(metric, saved["updates"])

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from framework.errors import ConfigError
-from framework.instantiate import error_line
+from framework.instantiate import error_line, import_object
 
 log = logging.getLogger(__name__)
 
@@ -275,12 +275,10 @@ def _module_classes(names: Any) -> Optional[tuple[type, ...]]:
     """`parallel.shard_modules` as classes (None stays None: the default units)."""
     if names is None:
         return None
-    from hydra._internal.utils import _locate  # what instantiate resolves targets with
-
     found = []
     for i, name in enumerate(names):
         try:
-            cls = _locate(str(name))
+            cls = import_object(str(name))
         except Exception as err:  # ImportError or ValueError from Hydra's locator; the cause says what is missing
             raise ConfigError(f"parallel.shard_modules[{i}]={name!r} cannot be imported: "
                               f"{error_line(err.__cause__ or err)}; expected the dotted path of an nn.Module class, "

@@ -31,6 +31,7 @@ from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
+from framework import signals
 from framework.config import check_closed_keys
 from framework.errors import ConfigError
 
@@ -363,6 +364,7 @@ class SweepSummary(Callback):
         self.sweep_dir: Optional[Path] = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        signals.LATCH.release()  # the sweep's own process trains nothing: a signal takes its handler's action now
         try:
             check_direction(config)
             # A key the framework's groups do not have, given to every job (`+trainer.max_epoch=1`), fails every
