@@ -22,11 +22,11 @@ from omegaconf import Container, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework import __version__, config, provenance, resume, rundir, sweep
-from framework.signals import STOP_ONLY
-from framework.sweep import DRY_RUN
 from framework.errors import ConfigError, Interrupted, UserError, full_error
 from framework.launch import WorkerFailed, spawn
 from framework.loggers import write_json
+from framework.signals import STOP_ONLY
+from framework.sweep import DRY_RUN
 
 log = logging.getLogger(__name__)
 

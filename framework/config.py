@@ -20,7 +20,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from framework.errors import ConfigError
-from framework.signals import DEFAULT_SIGNALS, parse as parse_signal
+from framework.signals import DEFAULT_SIGNALS
+from framework.signals import parse as parse_signal
 
 
 @dataclass

@@ -8,7 +8,6 @@ import json
 import logging
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional
 

@@ -19,8 +19,15 @@ the state means: the trainer hands it plain nested dicts of tensors (DTensors to
 - `weights`: foreign weights for `init_from` and export.
 """
 from framework.checkpoint.discovery import find_latest
-from framework.checkpoint.format import (META_FILE, MODEL_FILE, STATE_FILE, CheckpointSaveError, DamagedCheckpoint,
-                                         UnreadableCheckpoint, digest)
+from framework.checkpoint.format import (
+                                         META_FILE,
+                                         MODEL_FILE,
+                                         STATE_FILE,
+                                         CheckpointSaveError,
+                                         DamagedCheckpoint,
+                                         UnreadableCheckpoint,
+                                         digest,
+)
 from framework.checkpoint.load import MAX_META_BYTES, Checkpoint, open_checkpoint
 from framework.checkpoint.policies import CheckpointManager
 from framework.checkpoint.save import link_checkpoint, write_checkpoint

@@ -24,10 +24,30 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from framework.checkpoint.format import (META_FILE, MODEL_FILE, READABLE_VERSIONS, SHARDED_VERSION, STATE_FILE,
-                                         DamagedCheckpoint, UnreadableCheckpoint, _digest_fd, _in_helper, _is_int,
-                                         _is_number, _join, _key, _keys, _kind, _name, _shown, _where, chunk,
-                                         shard_file, shard_files, unflatten)
+from framework.checkpoint.format import (
+    META_FILE,
+    MODEL_FILE,
+    READABLE_VERSIONS,
+    SHARDED_VERSION,
+    STATE_FILE,
+    DamagedCheckpoint,
+    UnreadableCheckpoint,
+    _digest_fd,
+    _in_helper,
+    _is_int,
+    _is_number,
+    _join,
+    _key,
+    _keys,
+    _kind,
+    _name,
+    _shown,
+    _where,
+    chunk,
+    shard_file,
+    shard_files,
+    unflatten,
+)
 
 # A meta.json is a few KiB (a big model's structure: a few MiB). The caps bound what a hostile one costs: its
 # parsed objects take at most ~20x its size in memory, and every recursive reader of it (ours, OmegaConf's

@@ -16,8 +16,17 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from framework.checkpoint.format import (FORMAT_VERSION, META_FILE, MODEL_FILE, STATE_FILE, CheckpointSaveError,
-                                         _in_helper, _join, digest, flatten)
+from framework.checkpoint.format import (
+    FORMAT_VERSION,
+    META_FILE,
+    MODEL_FILE,
+    STATE_FILE,
+    CheckpointSaveError,
+    _in_helper,
+    _join,
+    digest,
+    flatten,
+)
 
 log = logging.getLogger(__name__)
 

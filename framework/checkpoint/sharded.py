@@ -20,10 +20,18 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from framework.checkpoint.format import (META_FILE, SHARDED_VERSION, CheckpointSaveError, _in_helper, _join, chunk,
-                                         flatten, shard_file, shard_files)
-from framework.checkpoint.save import (_discard, _fsync, _replace_dir, _save_error, _unshared, _write,
-                                       _write_tensors)
+from framework.checkpoint.format import (
+    META_FILE,
+    SHARDED_VERSION,
+    CheckpointSaveError,
+    _in_helper,
+    _join,
+    chunk,
+    flatten,
+    shard_file,
+    shard_files,
+)
+from framework.checkpoint.save import _discard, _fsync, _replace_dir, _save_error, _unshared, _write, _write_tensors
 
 
 class Ranks(Protocol):

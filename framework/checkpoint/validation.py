@@ -8,6 +8,7 @@ import torch
 
 from framework.checkpoint.format import DamagedCheckpoint, _is_int, _is_number, _key, _keys, _shown
 
+
 def _mismatch(at: str, saved: Any, live: Any) -> DamagedCheckpoint:
     return DamagedCheckpoint(f"{at}: the checkpoint holds {_shown(saved)}, expected {_shown(live)} as in this run "
                              "(a checkpoint of another model, optimizer or config, or a damaged one)")

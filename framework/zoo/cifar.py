@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
-
 import torchvision
 from torchvision.datasets.utils import check_integrity
 
