@@ -13,6 +13,7 @@ than 1 GiB is free at its top: the process keeps its peak, as PyTorch's CUDA cac
 A user's own choice wins: nothing is changed when the environment already sets glibc's malloc options or
 preloads another allocator (jemalloc, tcmalloc, mimalloc), or where the C library is not glibc.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -55,5 +56,8 @@ def keep_freed_memory() -> bool:
 
 def _user_chose() -> bool:
     preload = os.environ.get("LD_PRELOAD", "")
-    return (any(name in os.environ for name in _ENVIRONMENT) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
-            or any(name in preload for name in _ALLOCATORS))
+    return (
+        any(name in os.environ for name in _ENVIRONMENT)
+        or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
+        or any(name in preload for name in _ALLOCATORS)
+    )

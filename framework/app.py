@@ -3,6 +3,7 @@
 User mistakes (`UserError`) end the run with one line on stderr and exit code 1, no traceback;
 `HYDRA_FULL_ERROR=1` re-raises them so the traceback is there when you want it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,25 +58,31 @@ def resolve_all(cfg: DictConfig) -> None:
     if missing:
         unset = ", ".join(f"{key}=???" for key in missing)
         example = " ".join(f"{key}=VALUE" for key in missing)
-        raise ConfigError(f"{unset}: no value given (??? marks a value you must set); "
-                          f"expected a value on the command line, e.g. {example}")
+        raise ConfigError(
+            f"{unset}: no value given (??? marks a value you must set); "
+            f"expected a value on the command line, e.g. {example}"
+        )
     for key, parent, name in nodes:
         if OmegaConf.is_interpolation(parent, name):
             try:
                 parent[name]  # reading a node resolves it
             except OmegaConfBaseException as err:
                 written = OmegaConf.to_container(parent, resolve=False)[name]
-                raise ConfigError(f"{key}={written!r} cannot be resolved: {str(err).splitlines()[0]}; "
-                                  "expected ${other.key} naming a key that exists, or a registered resolver "
-                                  "such as ${oc.env:NAME}") from None
+                raise ConfigError(
+                    f"{key}={written!r} cannot be resolved: {str(err).splitlines()[0]}; "
+                    "expected ${other.key} naming a key that exists, or a registered resolver "
+                    "such as ${oc.env:NAME}"
+                ) from None
 
 
 def check_paths(cfg: DictConfig) -> None:
     """A missing data folder is the most common first-run mistake; say which key to set before loading."""
     root = cfg.data.get("root")
     if root is not None and not Path(root).is_dir():
-        raise ConfigError(f"data.root={root!r}: no such directory (relative paths start at {os.getcwd()}); "
-                          "expected the folder holding the data set's files: set data.root=/path/to/data")
+        raise ConfigError(
+            f"data.root={root!r}: no such directory (relative paths start at {os.getcwd()}); "
+            "expected the folder holding the data set's files: set data.root=/path/to/data"
+        )
 
 
 def main(cfg: DictConfig) -> Any:
@@ -120,8 +127,9 @@ def _requeue(cfg: DictConfig, err: Interrupted) -> None:
 def _discard_attempt(started: bool) -> None:
     hydra_cfg = HydraConfig.get()
     if os.environ.get("RANK", "0") == "0":  # torchrun's other ranks point at rank 0's directory
-        rundir.discard_attempt(Path(hydra_cfg.runtime.output_dir), hydra_cfg.output_subdir, started=started,
-                               also=provenance.FILES)  # a new directory's provenance goes with it
+        rundir.discard_attempt(
+            Path(hydra_cfg.runtime.output_dir), hydra_cfg.output_subdir, started=started, also=provenance.FILES
+        )  # a new directory's provenance goes with it
 
 
 def _run(cfg: DictConfig, started: Optional[list] = None) -> Optional[float]:
@@ -158,8 +166,16 @@ def _new_run_refused(run_dir: Path) -> str:
     return f"{refused}; expected resume={run_dir} to continue it, or another directory"
 
 
-def _train(fresh: DictConfig, run_dir: Path, hydra_cfg: DictConfig, started: Optional[list], *, in_place: bool,
-           asked: Optional[str], held: bool) -> tuple[DictConfig, dict[str, Any]]:
+def _train(
+    fresh: DictConfig,
+    run_dir: Path,
+    hydra_cfg: DictConfig,
+    started: Optional[list],
+    *,
+    in_place: bool,
+    asked: Optional[str],
+    held: bool,
+) -> tuple[DictConfig, dict[str, Any]]:
     """Settle the config on the checkpoint it starts from (an older one where a newer does not restore), then
     train, in this locked run directory; the config it ran with, and its summary. `asked`: the command line's
     resume=; `held`: the directory held a run before this invocation."""
@@ -172,14 +188,17 @@ def _train(fresh: DictConfig, run_dir: Path, hydra_cfg: DictConfig, started: Opt
     try:
         while True:
             try:
-                cfg, choices = _settled(fresh, fresh_choices, resume.saved_run(fresh.resume, checkpoint), overrides,
-                                        hydra_cfg)
+                cfg, choices = _settled(
+                    fresh, fresh_choices, resume.saved_run(fresh.resume, checkpoint), overrides, hydra_cfg
+                )
             except ConfigError as err:
                 if not in_place or checkpoint is None:
                     raise
-                raise ConfigError(f"{run_dir} already holds a run, which this job would continue (a sweep "
-                                  f"directory used again, or a requeued job): {err}; for a new run, expected "
-                                  "another hydra.sweep.dir") from None
+                raise ConfigError(
+                    f"{run_dir} already holds a run, which this job would continue (a sweep "
+                    f"directory used again, or a requeued job): {err}; for a new run, expected "
+                    "another hydra.sweep.dir"
+                ) from None
             _check_dev_run(cfg, asked, held, run_dir, hydra_cfg.mode == RunMode.MULTIRUN)
             params = sweep.hparams(cfg, choices, overrides)
             if rank_zero and recording is None:  # once the run is known to start: a refused one leaves nothing
@@ -207,26 +226,35 @@ def _check_dev_run(cfg: DictConfig, asked: Optional[str], held: bool, run_dir: P
     if not cfg.trainer.fast_dev_run:
         return
     if asked:
-        raise ConfigError(f"trainer.fast_dev_run=true: a dev run trains one batch and keeps nothing, so it cannot "
-                          f"continue a run (resume={asked}); expected trainer.fast_dev_run=false to continue it, or "
-                          "no resume= for a dev run of its own")
+        raise ConfigError(
+            f"trainer.fast_dev_run=true: a dev run trains one batch and keeps nothing, so it cannot "
+            f"continue a run (resume={asked}); expected trainer.fast_dev_run=false to continue it, or "
+            "no resume= for a dev run of its own"
+        )
     if held:
-        raise ConfigError(f"trainer.fast_dev_run=true: {run_dir} already holds a run, whose files a dev run would "
-                          f"overwrite; expected another {'hydra.sweep.dir' if multirun else 'hydra.run.dir'}")
+        raise ConfigError(
+            f"trainer.fast_dev_run=true: {run_dir} already holds a run, whose files a dev run would "
+            f"overwrite; expected another {'hydra.sweep.dir' if multirun else 'hydra.run.dir'}"
+        )
 
 
-def _settled(cfg: DictConfig, choices: dict[str, Any], saved: Optional[resume.SavedRun], overrides: list[str],
-             hydra_cfg: DictConfig) -> tuple[DictConfig, dict[str, Any]]:
+def _settled(
+    cfg: DictConfig,
+    choices: dict[str, Any],
+    saved: Optional[resume.SavedRun],
+    overrides: list[str],
+    hydra_cfg: DictConfig,
+) -> tuple[DictConfig, dict[str, Any]]:
     """The config the run uses: for a resume, the saved run's own (its checkpoint's, or for a run that saved
     none, Hydra's record of it), with this command line on top, built only from targets the user's own code
     names; validated, with its data folder and init_from checked."""
     if saved is not None:
         trusted = resume.conf_targets(_conf_dirs(hydra_cfg)) | {
-            t for _, t in resume.targets(OmegaConf.to_container(cfg, resolve=False))}
+            t for _, t in resume.targets(OmegaConf.to_container(cfg, resolve=False))
+        }
         cfg, choices = resume.resumed_config(cfg, saved, choices, overrides)
         if not cfg.trust_saved_config:
-            resume.check_saved_targets(cfg, trusted, Path(hydra_cfg.runtime.cwd),
-                                       f"the config saved in {saved.source}")
+            resume.check_saved_targets(cfg, trusted, Path(hydra_cfg.runtime.cwd), f"the config saved in {saved.source}")
     if cfg.resume:
         resolve_all(cfg)
         config.validate(cfg)
@@ -239,8 +267,11 @@ def _settled(cfg: DictConfig, choices: dict[str, Any], saved: Optional[resume.Sa
 def _conf_dirs(hydra_cfg: DictConfig) -> list[Path]:
     """The config trees this run was composed from: the user's (conf/, --config-dir) and the framework's, not
     Hydra's own."""
-    found = (resume.source_dir(source.path, source.schema) for source in hydra_cfg.runtime.config_sources
-             if source.provider != "hydra" and source.path)
+    found = (
+        resume.source_dir(source.path, source.schema)
+        for source in hydra_cfg.runtime.config_sources
+        if source.provider != "hydra" and source.path
+    )
     return [folder for folder in found if folder is not None]
 
 
@@ -274,8 +305,10 @@ def _sweep_job(cfg: DictConfig) -> float:
     except Interrupted as err:  # saved on a signal: requeued (submitit exits here), or reported as interrupted
         log.warning("%s", err)
         _requeue(cfg, err)
-        _write_summary(Path(HydraConfig.get().runtime.output_dir),
-                       {"status": "interrupted", "error": str(err), "seconds": round(time.perf_counter() - start, 3)})
+        _write_summary(
+            Path(HydraConfig.get().runtime.output_dir),
+            {"status": "interrupted", "error": str(err), "seconds": round(time.perf_counter() - start, 3)},
+        )
         if err.signum in STOP_ONLY:  # Ctrl-C or scancel: the jobs after it do not start either
             sweep.stop_in_sweep_process(cfg, err.signum)
         return float("nan")
@@ -290,8 +323,9 @@ def _sweep_job(cfg: DictConfig) -> float:
 def _submitit_requeue(err: SystemExit) -> bool:
     """A SystemExit raised inside submitit's own signal handler: it has requeued the job (a signal that came
     after the run's watch was gone, e.g. between the end of training and the end of the job)."""
-    return any(frame.f_globals.get("__name__", "").startswith("submitit.")
-               for frame, _ in traceback.walk_tb(err.__traceback__))
+    return any(
+        frame.f_globals.get("__name__", "").startswith("submitit.") for frame, _ in traceback.walk_tb(err.__traceback__)
+    )
 
 
 def _failed_job(err: BaseException, start: float, started: bool) -> float:
@@ -319,15 +353,26 @@ def _write_summary(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
-def launch(cfg: DictConfig, run_dir: Path, checkpoint: Any = None, hparams: Optional[dict[str, Any]] = None,
-           choices: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def launch(
+    cfg: DictConfig,
+    run_dir: Path,
+    checkpoint: Any = None,
+    hparams: Optional[dict[str, Any]] = None,
+    choices: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
     """In this process, or, for parallel=ddp or fsdp without a launcher, in one spawned process per device."""
     from framework.parallel import default_devices, under_launcher  # imported after validation: fail fast
 
     if cfg.parallel.strategy in ("ddp", "fsdp") and not under_launcher():
         OmegaConf.resolve(cfg)  # spawned workers have no HydraConfig to resolve `${hydra:...}` with
-        spawn(cfg, run_dir, cfg.parallel.devices or default_devices(),
-              checkpoint.path if checkpoint is not None else None, hparams, choices)
+        spawn(
+            cfg,
+            run_dir,
+            cfg.parallel.devices or default_devices(),
+            checkpoint.path if checkpoint is not None else None,
+            hparams,
+            choices,
+        )
         summary = run_dir / "summary.json"  # a dry run writes none
         return json.loads(summary.read_text()) if summary.is_file() else {}
     from framework.trainer import train

@@ -1,6 +1,7 @@
 """Building a run's components from its config: data, task and model (placed, compiled, wrapped by the parallel
 strategy), precision, optimizer, scheduler, checkpoint policies and callbacks. One function, no loop state: the
 trainer calls `build_components` once and wires what it returns."""
+
 from __future__ import annotations
 
 import inspect
@@ -67,27 +68,57 @@ def build_components(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Comp
     overfit = limit(t.overfit_batches, data.num_batches("train")) if t.overfit_batches else 0
     train_batches = limit(1 if fast_dev_run else (overfit or t.limit_train_batches), data.num_batches("train"))
     if train_batches == 0:
-        raise ConfigError("data.train: the training set gives no batch (is it empty, or smaller than "
-                          "data.batch_size with data.drop_last=true?)")
+        raise ConfigError(
+            "data.train: the training set gives no batch (is it empty, or smaller than "
+            "data.batch_size with data.drop_last=true?)"
+        )
     steps_per_epoch = math.ceil(train_batches / t.accumulate_grad_batches)
-    scheduler = build_scheduler(cfg.scheduler, optimizer, max_steps=1 if fast_dev_run else t.max_steps,
-                                max_epochs=1 if fast_dev_run else t.max_epochs, steps_per_epoch=steps_per_epoch)
+    scheduler = build_scheduler(
+        cfg.scheduler,
+        optimizer,
+        max_steps=1 if fast_dev_run else t.max_steps,
+        max_epochs=1 if fast_dev_run else t.max_epochs,
+        steps_per_epoch=steps_per_epoch,
+    )
     ck = cfg.checkpoint
     checkpoints = CheckpointManager(
-        run_dir / "checkpoints", save_last=ck.save_last, every_n_steps=ck.every_n_steps,
-        every_n_epochs=ck.every_n_epochs, keep_last=ck.keep_last, monitor=ck.monitor, mode=ck.mode.value,
-        save_top_k=ck.save_top_k, enabled=strategy.is_rank_zero and not fast_dev_run, fsync=ck.fsync,
-        async_save=ck.async_save, shards=strategy if strategy.sharded and not fast_dev_run else None)
+        run_dir / "checkpoints",
+        save_last=ck.save_last,
+        every_n_steps=ck.every_n_steps,
+        every_n_epochs=ck.every_n_epochs,
+        keep_last=ck.keep_last,
+        monitor=ck.monitor,
+        mode=ck.mode.value,
+        save_top_k=ck.save_top_k,
+        enabled=strategy.is_rank_zero and not fast_dev_run,
+        fsync=ck.fsync,
+        async_save=ck.async_save,
+        shards=strategy if strategy.sharded and not fast_dev_run else None,
+    )
     callbacks = CallbackList(build_callbacks(cfg), first=task_hooks.task_callback(task))
-    return Components(data, task, model_attr, precision, optimizer, frozen, scheduler, train_batches, steps_per_epoch,
-                      overfit, checkpoints, callbacks)
+    return Components(
+        data,
+        task,
+        model_attr,
+        precision,
+        optimizer,
+        frozen,
+        scheduler,
+        train_batches,
+        steps_per_epoch,
+        overfit,
+        checkpoints,
+        callbacks,
+    )
 
 
 def build_data(cfg: DictConfig, strategy: Strategy) -> DataModule:
     data = build(cfg.data, "data")
     if not isinstance(data, DataModule):
-        raise ConfigError(f"data._target_={cfg.data._target_!r}: expected a framework.data.DataModule "
-                          f"(or subclass), got {type(data).__name__}")
+        raise ConfigError(
+            f"data._target_={cfg.data._target_!r}: expected a framework.data.DataModule "
+            f"(or subclass), got {type(data).__name__}"
+        )
     data.setup(seed=cfg.seed, rank=strategy.rank, world_size=strategy.world_size)
     return data
 
@@ -116,8 +147,9 @@ def build_task(cfg: DictConfig) -> tuple[Task, str]:
     submodule with parameters."""
     target = locate(cfg.task.get("_target_"), "task")
     params = inspect.signature(target).parameters if inspect.isclass(target) else {}
-    takes = set(params) | ({"model"} if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-                          else set())  # (*args, **kwargs): passed on to Task's own `model`
+    takes = set(params) | (
+        {"model"} if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) else set()
+    )  # (*args, **kwargs): passed on to Task's own `model`
     given = next((name for name in ("model", "net") if name in takes and name not in cfg.task), None)
     model: Optional[torch.nn.Module] = None
     if given is not None:
@@ -131,11 +163,16 @@ def build_task(cfg: DictConfig) -> tuple[Task, str]:
     if not holders:
         holders = [name for name, child in task.named_children() if any(True for _ in child.parameters())]
     if len(holders) != 1:
-        found = (f"its submodules with parameters are {', '.join(holders)}" if holders
-                 else "it has no submodule with parameters")
-        raise ConfigError(f"task._target_={cfg.task._target_!r}: cannot tell which attribute holds the model ({found}); "
-                          "expected the constructor to take the model as `model` (given the model group) and keep "
-                          "it as an attribute, or one submodule with parameters")
+        found = (
+            f"its submodules with parameters are {', '.join(holders)}"
+            if holders
+            else "it has no submodule with parameters"
+        )
+        raise ConfigError(
+            f"task._target_={cfg.task._target_!r}: cannot tell which attribute holds the model ({found}); "
+            "expected the constructor to take the model as `model` (given the model group) and keep "
+            "it as an attribute, or one submodule with parameters"
+        )
     return task, holders[0]
 
 
@@ -147,8 +184,10 @@ def build_callbacks(cfg: DictConfig) -> dict[str, Callback]:
             continue
         callback = build(node, f"callbacks.{name}")
         if not isinstance(callback, Callback):
-            raise ConfigError(f"callbacks.{name}._target_={node.get('_target_')!r} built a "
-                              f"{type(callback).__name__}; expected a framework.callbacks.Callback subclass")
+            raise ConfigError(
+                f"callbacks.{name}._target_={node.get('_target_')!r} built a "
+                f"{type(callback).__name__}; expected a framework.callbacks.Callback subclass"
+            )
         callbacks[str(name)] = callback
     if cfg.trainer.max_time is not None and not any(isinstance(c, Timer) for c in callbacks.values()):
         callbacks["timer"] = Timer(cfg.trainer.max_time)

@@ -19,6 +19,7 @@ What a callback may do with the trainer: read `global_step`, `current_epoch`, `c
 tests and writes the summary naming the reason); log a scalar with `trainer.log(name, value)` (a tensor stays
 on the device until the next logging step: no host sync).
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,12 +39,34 @@ if TYPE_CHECKING:  # the trainer imports this module, never the other way round
 log = logging.getLogger(__name__)
 
 # Every hook, in the order a run calls them. Per-step hooks are in STEP_HOOKS.
-HOOKS = ("setup", "on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_batch_start",
-         "on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end",
-         "on_train_epoch_end", "on_validation_start", "on_validation_end", "on_test_start", "on_test_end",
-         "on_train_end", "on_fit_end", "on_exception")
-STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end", "on_before_optimizer_step",
-              "on_before_zero_grad")
+HOOKS = (
+    "setup",
+    "on_fit_start",
+    "on_train_start",
+    "on_train_epoch_start",
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_train_batch_end",
+    "on_train_epoch_end",
+    "on_validation_start",
+    "on_validation_end",
+    "on_test_start",
+    "on_test_end",
+    "on_train_end",
+    "on_fit_end",
+    "on_exception",
+)
+STEP_HOOKS = (
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_train_batch_end",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+)
 
 
 class Callback:
@@ -126,7 +149,8 @@ class CallbackList:
         self.callbacks = dict(callbacks)
         every = ([first] if first is not None else []) + list(self.callbacks.values())
         self.hooks: dict[str, list[Callable[..., None]]] = {
-            hook: [getattr(cb, hook) for cb in every if _overrides(cb, hook)] for hook in HOOKS}
+            hook: [getattr(cb, hook) for cb in every if _overrides(cb, hook)] for hook in HOOKS
+        }
 
     def __iter__(self) -> Iterator[tuple[str, Callback]]:
         return iter(self.callbacks.items())
@@ -147,6 +171,7 @@ class CallbackList:
         def every(*args: Any) -> None:
             for fn in fns:
                 fn(*args)
+
         return every
 
     def state_dict(self) -> dict[str, Any]:
@@ -163,8 +188,16 @@ class EarlyStopping(Callback):
     """Stop when `monitor` has not improved by more than `min_delta` for `patience` validations in a row, or as
     soon as it passes `stopping_threshold`, or when it is not finite (`check_finite`). Lightning's arguments."""
 
-    def __init__(self, monitor: str = "val/loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0,
-                 stopping_threshold: Optional[float] = None, check_finite: bool = True, verbose: bool = True) -> None:
+    def __init__(
+        self,
+        monitor: str = "val/loss",
+        mode: str = "min",
+        patience: int = 3,
+        min_delta: float = 0.0,
+        stopping_threshold: Optional[float] = None,
+        check_finite: bool = True,
+        verbose: bool = True,
+    ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"mode={mode!r}: expected 'min' or 'max'")
         if not isinstance(patience, int) or isinstance(patience, bool) or patience < 1:
@@ -184,14 +217,16 @@ class EarlyStopping(Callback):
 
     def on_validation_end(self, trainer: "Trainer", task: "Task", metrics: dict[str, float]) -> None:
         if self.monitor not in metrics:  # the trainer checked the name at start: a task that changed its metrics
-            raise RuntimeError(f"EarlyStopping: monitor {self.monitor!r} is not among this validation's metrics "
-                               f"({', '.join(metrics)})")
+            raise RuntimeError(
+                f"EarlyStopping: monitor {self.monitor!r} is not among this validation's metrics ({', '.join(metrics)})"
+            )
         value = metrics[self.monitor]
         reason, self.stopped = None, ""
         if self.check_finite and not math.isfinite(value):
             reason = f"{self.monitor} = {value} is not finite"
-        elif self.stopping_threshold is not None and (value <= self.stopping_threshold if self.mode == "min"
-                                                      else value >= self.stopping_threshold):
+        elif self.stopping_threshold is not None and (
+            value <= self.stopping_threshold if self.mode == "min" else value >= self.stopping_threshold
+        ):
             reason = f"{self.monitor} = {value:.6g} reached stopping_threshold {self.stopping_threshold}"
         elif self.best_score is None or self._better(value, self.best_score):
             self.best_score, self.best_step, self.wait_count = value, trainer.global_step, 0
@@ -199,9 +234,11 @@ class EarlyStopping(Callback):
         else:
             self.wait_count += 1
             if self.wait_count >= self.patience:
-                reason = (f"{self.monitor} did not improve by more than {self.min_delta:g} for {self.patience} "
-                          f"validation{'s' if self.patience > 1 else ''} (best {self.best_score:.6g} at step "
-                          f"{self.best_step})")
+                reason = (
+                    f"{self.monitor} did not improve by more than {self.min_delta:g} for {self.patience} "
+                    f"validation{'s' if self.patience > 1 else ''} (best {self.best_score:.6g} at step "
+                    f"{self.best_step})"
+                )
         if reason is not None:
             self.stopped, self.by_patience = f"early stopping: {reason}", self.wait_count >= self.patience
             trainer.request_stop(self.stopped)
@@ -213,8 +250,13 @@ class EarlyStopping(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         # JSON has no infinity: "no best yet" is the step -1.
-        return {"wait_count": self.wait_count, "best_score": self.best_score if self.best_score is not None else 0.0,
-                "best_step": self.best_step, "stopped": self.stopped, "by_patience": self.by_patience}
+        return {
+            "wait_count": self.wait_count,
+            "best_score": self.best_score if self.best_score is not None else 0.0,
+            "best_step": self.best_step,
+            "stopped": self.stopped,
+            "by_patience": self.by_patience,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.wait_count, self.best_step = int(state["wait_count"]), int(state["best_step"])
@@ -322,7 +364,9 @@ class Timer(Callback):
     def __init__(self, duration: Any, scope: str = "job") -> None:
         seconds = parse_duration(duration)
         if seconds is None:
-            raise ValueError(f"duration={duration!r}: expected DD:HH:MM:SS (e.g. 00:12:00:00) or a number of seconds > 0")
+            raise ValueError(
+                f"duration={duration!r}: expected DD:HH:MM:SS (e.g. 00:12:00:00) or a number of seconds > 0"
+            )
         if scope not in self.SCOPES:
             raise ValueError(f"scope={scope!r}: expected one of {', '.join(self.SCOPES)}")
         self.duration = seconds
@@ -349,8 +393,10 @@ class Timer(Callback):
         used = self.job_elapsed() if self.scope == "job" else self.elapsed()
         if used >= self.duration:
             where = "in this job" if self.scope == "job" else "in this run"
-            trainer.request_stop(f"time limit: trained for {used:.0f} s {where} of trainer.max_time="
-                                 f"{self.duration:.0f} s ({self.elapsed():.0f} s in all)")
+            trainer.request_stop(
+                f"time limit: trained for {used:.0f} s {where} of trainer.max_time="
+                f"{self.duration:.0f} s ({self.elapsed():.0f} s in all)"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         return {"elapsed": self.elapsed()}

@@ -14,6 +14,7 @@ several lines of its own (or as a traceback) and exits. `run(main)` asks Hydra t
 and prints each as one `Error: ...` line, exit code 1. Anything raised by our own code is a bug and keeps
 its traceback. A user's own HYDRA_FULL_ERROR=1 leaves Hydra's reports and tracebacks untouched.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -154,11 +155,15 @@ def describe(err: Exception, args: Sequence[str], task: Optional[Callable[..., A
     if _raised_by_us(err, task):
         return None
     if isinstance(err, ValueError) and str(err).startswith("Only one of --run, --multirun, --cfg, --info"):
-        return (f"{_one_line(str(err))}; expected --cfg job (or hydra, all), --info and -m each on a command line "
-                "of its own: `python run.py optimizer.lr=0.1 --cfg job` prints one job's config")
+        return (
+            f"{_one_line(str(err))}; expected --cfg job (or hydra, all), --info and -m each on a command line "
+            "of its own: `python run.py optimizer.lr=0.1 --cfg job` prints one job's config"
+        )
     if isinstance(err, OverrideParseException):
-        return (f"{err.override}: malformed override ({err.message.splitlines()[0]}); expected key=value, "
-                "with lists as [a,b] and quotes around text with special characters: key='a,b'")
+        return (
+            f"{err.override}: malformed override ({err.message.splitlines()[0]}); expected key=value, "
+            "with lists as [a,b] and quotes around text with special characters: key='a,b'"
+        )
     if isinstance(err, MissingConfigException) and err.options is not None:
         return _unknown_option(err, args)
     if isinstance(err, yaml.MarkedYAMLError) and err.problem_mark is not None:
@@ -194,7 +199,9 @@ def _raised_by_us(err: BaseException, task: Optional[Callable[..., Any]]) -> boo
         tb: Optional[TracebackType] = e.__traceback__
         while tb is not None:
             code = tb.tb_frame.f_code
-            if code is task_code or (code.co_filename.startswith(_FRAMEWORK_DIR) and code.co_filename not in _HYDRAS_SIDE):
+            if code is task_code or (
+                code.co_filename.startswith(_FRAMEWORK_DIR) and code.co_filename not in _HYDRAS_SIDE
+            ):
                 return True
             tb = tb.tb_next
     return False
@@ -230,8 +237,9 @@ def _unknown_option(err: MissingConfigException, args: Sequence[str]) -> str:
     options = sorted(err.options or [])
     source = re.match(r"In '([^']+)'", str(err))
     typed = _typed(args, group) or f"{group}={option}" + (f" (in '{source.group(1)}')" if source else "")
-    return (f"{typed}: no such option in group '{group}'; {_closest(option, options)}"
-            f"expected one of: {', '.join(options)}")
+    return (
+        f"{typed}: no such option in group '{group}'; {_closest(option, options)}expected one of: {', '.join(options)}"
+    )
 
 
 def _yaml_error(err: yaml.MarkedYAMLError) -> str:
@@ -298,5 +306,7 @@ def _type_words(kind: Any) -> str:
 def _run_dir_error(err: OSError, args: Sequence[str]) -> str:
     key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(args) else "hydra.run.dir"
     typed = _typed(args, key) or key
-    return (f"{typed}: cannot create or write the run directory: {err.strerror or err} ('{err.filename}'); "
-            f"expected a directory you can write to: set {key}=PATH")
+    return (
+        f"{typed}: cannot create or write the run directory: {err.strerror or err} ('{err.filename}'); "
+        f"expected a directory you can write to: set {key}=PATH"
+    )

@@ -5,6 +5,7 @@ it was written for, so another version fails loudly here (tests/test_compat.py) 
   `load_state_dict()` never restores; there is a public getter (`update_count`) and no setter. An exact resume of a
   task's metrics needs the count back.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -19,7 +20,9 @@ def set_update_count(metric: Any, count: int) -> None:
 
     major = int(torchmetrics.__version__.split(".")[0])
     if major != TORCHMETRICS_MAJOR or not hasattr(metric, _UPDATE_COUNT):
-        raise RuntimeError(f"framework.compat.set_update_count was written for torchmetrics {TORCHMETRICS_MAJOR}.x "
-                           f"(Metric.{_UPDATE_COUNT}); this is torchmetrics {torchmetrics.__version__}: check that "
-                           "the private attribute still holds the update count, then update TORCHMETRICS_MAJOR")
+        raise RuntimeError(
+            f"framework.compat.set_update_count was written for torchmetrics {TORCHMETRICS_MAJOR}.x "
+            f"(Metric.{_UPDATE_COUNT}); this is torchmetrics {torchmetrics.__version__}: check that "
+            "the private attribute still holds the update count, then update TORCHMETRICS_MAJOR"
+        )
     setattr(metric, _UPDATE_COUNT, int(count))

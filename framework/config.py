@@ -6,6 +6,7 @@ up; the schemas sit at the root of the store, so `--help` lists no `schema` opti
 What a type cannot express (the valid range of every value, checks across fields, the DataModule's counts,
 the hardware a setting names) lives in `validate()`, called once by the app before anything is built.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -159,13 +160,20 @@ def register() -> None:
 
 
 # The groups whose every key the framework defines: a key they do not define is an error (even with `+`).
-CLOSED_GROUPS = {"trainer": TrainerConfig, "logger": LoggerConfig, "checkpoint": CheckpointConfig,
-                 "precision": PrecisionConfig, "parallel": ParallelConfig}
+CLOSED_GROUPS = {
+    "trainer": TrainerConfig,
+    "logger": LoggerConfig,
+    "checkpoint": CheckpointConfig,
+    "precision": PrecisionConfig,
+    "parallel": ParallelConfig,
+}
+
 
 @dataclass(frozen=True)
 class Home:
     """Where a Lightning argument lives here: `key`, with `why` a short note on the difference; or `key=None`
     (there is no equivalent) and `why` the reason. `by_value`: a value that picks another key instead."""
+
     key: Optional[str]
     why: str = ""
     by_value: tuple[tuple[str, str], ...] = ()
@@ -203,14 +211,19 @@ LIGHTNING_NAMES: dict[str, Home] = {
     "enable_progress_bar": Home("logger.progress_bar"),
     "enable_model_summary": Home("trainer.dry_run", "prints the model summary, then exits without training"),
     "gradient_clip_val": Home("trainer.grad_clip_norm", "trainer.grad_clip_value clips by value"),
-    "gradient_clip_algorithm": Home("trainer.grad_clip_norm", "the key you set picks the algorithm",
-                                    by_value=(("value", "trainer.grad_clip_value"),)),
+    "gradient_clip_algorithm": Home(
+        "trainer.grad_clip_norm",
+        "the key you set picks the algorithm",
+        by_value=(("value", "trainer.grad_clip_value"),),
+    ),
     "benchmark": _none("set torch.backends.cudnn.benchmark in your own code"),
     "inference_mode": _none("evaluation runs under torch.no_grad"),
     "use_distributed_sampler": _NO_SAMPLER,
     "profiler": _none("there is no profiler yet"),
-    "barebones": _none("turn the extras off one by one: logger.tensorboard=false logger.progress_bar=false "
-                       "checkpoint=none callbacks=none"),
+    "barebones": _none(
+        "turn the extras off one by one: logger.tensorboard=false logger.progress_bar=false "
+        "checkpoint=none callbacks=none"
+    ),
     "plugins": _none("precision, parallelism and checkpoint I/O are the precision, parallel and checkpoint groups"),
     "sync_batchnorm": _none("convert the model in its own code: torch.nn.SyncBatchNorm.convert_sync_batchnorm"),
     "reload_dataloaders_every_n_epochs": _NO_RELOAD,
@@ -233,8 +246,9 @@ LIGHTNING_NAMES: dict[str, Home] = {
     "checkpoint_callback": _CHECKPOINTS_ON,
     "weights_summary": Home("trainer.dry_run", "prints the model summary, then exits without training"),
     "weights_save_path": Home("hydra.run.dir", "checkpoints go to its checkpoints/"),
-    "progress_bar_refresh_rate": Home("logger.progress_bar", "logger.progress_every_s paces output that is not a "
-                                                             "terminal"),
+    "progress_bar_refresh_rate": Home(
+        "logger.progress_bar", "logger.progress_every_s paces output that is not a terminal"
+    ),
     "flush_logs_every_n_steps": _none("TensorBoard's writer flushes on its own"),
     "log_gpu_memory": _none("perf/max_memory_mb is always logged, per epoch"),
     "terminate_on_nan": Home("callbacks.early_stopping.check_finite", "trainer.detect_anomaly names the op"),
@@ -249,11 +263,13 @@ LIGHTNING_NAMES: dict[str, Home] = {
     "dirpath": Home("hydra.run.dir", "checkpoints go to its checkpoints/"),
     "filename": _none("checkpoints are named checkpoints/last, best and step-<N>"),
     "every_n_train_steps": Home("checkpoint.every_n_steps"),
-    "train_time_interval": _none("save every N steps or epochs (checkpoint.every_n_steps); trainer.max_time saves "
-                                 "last when time is up"),
+    "train_time_interval": _none(
+        "save every N steps or epochs (checkpoint.every_n_steps); trainer.max_time saves last when time is up"
+    ),
     "save_on_train_epoch_end": Home("checkpoint.every_n_epochs"),
-    "save_weights_only": _none("a checkpoint holds the whole training state; python -m framework.export writes "
-                               "the weights alone"),
+    "save_weights_only": _none(
+        "a checkpoint holds the whole training state; python -m framework.export writes the weights alone"
+    ),
     "auto_insert_metric_name": _none("checkpoints are named checkpoints/last, best and step-<N>"),
     "enable_version_counter": _none("every run has a directory of its own"),
     "save_top_n": Home("checkpoint.save_top_k"),
@@ -265,8 +281,9 @@ LIGHTNING_NAMES: dict[str, Home] = {
     "min_delta": Home("callbacks.early_stopping.min_delta"),
     "stopping_threshold": Home("callbacks.early_stopping.stopping_threshold"),
     "check_finite": Home("callbacks.early_stopping.check_finite"),
-    "divergence_threshold": _none("callbacks.early_stopping.check_finite stops on NaN or inf; nothing stops on a "
-                                  "bad value"),
+    "divergence_threshold": _none(
+        "callbacks.early_stopping.check_finite stops on NaN or inf; nothing stops on a bad value"
+    ),
     "check_on_train_epoch_end": _none("early stopping checks after each validation"),
     "strict": _none("a monitor no validation computes is refused when the run starts"),
     "log_rank_zero_only": _none("only rank 0 says why the run stopped"),
@@ -325,8 +342,10 @@ def check_closed_keys(cfg: DictConfig) -> None:
             if name not in known:
                 key = f"{group}.{name}" if group else str(name)
                 value = OmegaConf.to_container(node, resolve=False)[name]  # as written: ${...} unresolved
-                raise ConfigError(f"{key}={value!r}: {group or 'the root config'} has no key '{name}'; "
-                                  f"{key_hint(key, value)}expected one of: {', '.join(sorted(known))}")
+                raise ConfigError(
+                    f"{key}={value!r}: {group or 'the root config'} has no key '{name}'; "
+                    f"{key_hint(key, value)}expected one of: {', '.join(sorted(known))}"
+                )
 
 
 def _require(ok: bool, key: str, value: object, expected: str) -> None:
@@ -343,8 +362,9 @@ def _check_int(key: str, value: object, low: int, *, null: bool = False, expecte
     """A whole number >= `low`, or null when `null`. The type is checked too: data.* has no schema."""
     if value is None and null:
         return
-    _require(_is_int(value) and value >= low, key, value,
-             expected or f"{'null or ' if null else ''}a whole number >= {low}")
+    _require(
+        _is_int(value) and value >= low, key, value, expected or f"{'null or ' if null else ''}a whole number >= {low}"
+    )
 
 
 def _check_positive(key: str, value: Optional[float]) -> None:
@@ -366,8 +386,13 @@ DIST_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 # The DataModule's own counts (framework/data.py), checked here so a bad one fails before any dataset is
 # loaded: (key, lowest value, null allowed). With num_workers=0, prefetch_factor and persistent_workers are
 # ignored rather than refused (as torch's DataLoader would), so `data=mnist data.num_workers=0` just works.
-DATA_COUNTS = (("batch_size", 1, False), ("eval_batch_size", 1, True), ("num_workers", 0, False),
-               ("prefetch_factor", 1, True), ("num_classes", 1, True))
+DATA_COUNTS = (
+    ("batch_size", 1, False),
+    ("eval_batch_size", 1, True),
+    ("num_workers", 0, False),
+    ("prefetch_factor", 1, True),
+    ("num_classes", 1, True),
+)
 
 
 def validate(cfg: DictConfig) -> None:
@@ -376,8 +401,12 @@ def validate(cfg: DictConfig) -> None:
     anything is built."""
     check_closed_keys(cfg)
     _check_trainer(cfg.trainer)
-    _require(cfg.logger.progress_every_s > 0, "logger.progress_every_s", cfg.logger.progress_every_s,
-             "a number of seconds > 0")
+    _require(
+        cfg.logger.progress_every_s > 0,
+        "logger.progress_every_s",
+        cfg.logger.progress_every_s,
+        "a number of seconds > 0",
+    )
     _check_callbacks(cfg.get("callbacks", DictConfig({})))
     _check_checkpoint(cfg.checkpoint, cfg.data)
     _check_test_ckpt(cfg.trainer.test_ckpt, cfg.checkpoint, cfg.data)
@@ -391,22 +420,39 @@ def validate(cfg: DictConfig) -> None:
 
 def _check_trainer(t: DictConfig) -> None:
     _require(t.max_steps == -1 or t.max_steps >= 1, "trainer.max_steps", t.max_steps, "-1 (no limit) or >= 1")
-    _require(t.max_epochs >= 1 or (t.max_steps >= 1 and t.max_epochs >= -1), "trainer.max_epochs", t.max_epochs,
-             ">= 1 (or -1 or 0 with trainer.max_steps >= 1, which then alone decides the length)")
+    _require(
+        t.max_epochs >= 1 or (t.max_steps >= 1 and t.max_epochs >= -1),
+        "trainer.max_epochs",
+        t.max_epochs,
+        ">= 1 (or -1 or 0 with trainer.max_steps >= 1, which then alone decides the length)",
+    )
     _check_int("trainer.min_epochs", t.min_epochs, 0)
     _check_int("trainer.min_steps", t.min_steps, 0)
     if t.max_steps >= 1:  # the run ends at max_steps, before a longer minimum could be reached
-        _require(t.min_steps <= t.max_steps, "trainer.min_steps", t.min_steps,
-                 f"<= trainer.max_steps ({t.max_steps}), which ends the run first")
+        _require(
+            t.min_steps <= t.max_steps,
+            "trainer.min_steps",
+            t.min_steps,
+            f"<= trainer.max_steps ({t.max_steps}), which ends the run first",
+        )
     else:
-        _require(t.min_epochs <= t.max_epochs, "trainer.min_epochs", t.min_epochs,
-                 f"<= trainer.max_epochs ({t.max_epochs}), which ends the run first")
+        _require(
+            t.min_epochs <= t.max_epochs,
+            "trainer.min_epochs",
+            t.min_epochs,
+            f"<= trainer.max_epochs ({t.max_epochs}), which ends the run first",
+        )
     _require(t.val_every_n_epochs >= 1, "trainer.val_every_n_epochs", t.val_every_n_epochs, ">= 1")
-    _require(t.val_every_n_steps >= 0, "trainer.val_every_n_steps", t.val_every_n_steps,
-             ">= 0 (0: validate by epoch only)")
+    _require(
+        t.val_every_n_steps >= 0, "trainer.val_every_n_steps", t.val_every_n_steps, ">= 0 (0: validate by epoch only)"
+    )
     if t.max_time is not None:
-        _require(parse_duration(t.max_time) is not None, "trainer.max_time", t.max_time,
-                 "a duration DD:HH:MM:SS (e.g. 00:12:00:00, or HH:MM:SS) or a number of seconds > 0")
+        _require(
+            parse_duration(t.max_time) is not None,
+            "trainer.max_time",
+            t.max_time,
+            "a duration DD:HH:MM:SS (e.g. 00:12:00:00, or HH:MM:SS) or a number of seconds > 0",
+        )
     _require(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", t.log_every_n_steps, ">= 1")
     _require(t.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches", t.accumulate_grad_batches, ">= 1")
     _check_positive("trainer.grad_clip_norm", t.grad_clip_norm)
@@ -414,23 +460,35 @@ def _check_trainer(t: DictConfig) -> None:
     for key in ("limit_train_batches", "limit_val_batches", "limit_test_batches"):
         _check_limit(f"trainer.{key}", t[key])
     _check_overfit(t)
-    _require(t.device == "auto" or DEVICE.fullmatch(t.device) is not None, "trainer.device", t.device,
-             "'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
+    _require(
+        t.device == "auto" or DEVICE.fullmatch(t.device) is not None,
+        "trainer.device",
+        t.device,
+        "'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'",
+    )
 
 
 def _check_overfit(t: DictConfig) -> None:
     """Lightning's overfit_batches, except that it does not silently override limit_train/val_batches: it
     chooses both, so a limit set beside it is a contradiction (limit_test_batches still applies)."""
     n = t.overfit_batches
-    _require(0.0 <= n <= 1.0 if isinstance(n, float) else n >= 0, "trainer.overfit_batches", n,
-             "0 (off), a whole number of batches >= 1 or a fraction in (0, 1]")
+    _require(
+        0.0 <= n <= 1.0 if isinstance(n, float) else n >= 0,
+        "trainer.overfit_batches",
+        n,
+        "0 (off), a whole number of batches >= 1 or a fraction in (0, 1]",
+    )
     if n == 0:
         return
     for key in ("limit_train_batches", "limit_val_batches"):
         limit = t[key]
-        _require(isinstance(limit, float) and limit == 1.0, f"trainer.{key}", limit,
-                 f"1.0 with trainer.overfit_batches={n} (which picks the train and validation batches itself), "
-                 "or trainer.overfit_batches=0")
+        _require(
+            isinstance(limit, float) and limit == 1.0,
+            f"trainer.{key}",
+            limit,
+            f"1.0 with trainer.overfit_batches={n} (which picks the train and validation batches itself), "
+            "or trainer.overfit_batches=0",
+        )
 
 
 TEST_CKPTS = ("best", "last", None)
@@ -438,16 +496,28 @@ TEST_CKPTS = ("best", "last", None)
 
 def _check_test_ckpt(test_ckpt: Optional[str], ck: DictConfig, data: Any) -> None:
     """`best` needs a best checkpoint: a validation split to rank by and a top-k checkpoint that keeps it."""
-    _require(test_ckpt in TEST_CKPTS, "trainer.test_ckpt", test_ckpt,
-             "best, last or null (best when a top-k checkpoint is kept, else the final weights)")
+    _require(
+        test_ckpt in TEST_CKPTS,
+        "trainer.test_ckpt",
+        test_ckpt,
+        "best, last or null (best when a top-k checkpoint is kept, else the final weights)",
+    )
     if test_ckpt != "best":
         return
-    _require(not isinstance(data, DictConfig) or data.get("val") is not None, "trainer.test_ckpt", test_ckpt,
-             "last with data.val=null (nothing is validated, so no checkpoint is best), or a data.val split")
+    _require(
+        not isinstance(data, DictConfig) or data.get("val") is not None,
+        "trainer.test_ckpt",
+        test_ckpt,
+        "last with data.val=null (nothing is validated, so no checkpoint is best), or a data.val split",
+    )
     # With save_top_k >= 1 (or -1), _check_checkpoint made sure a monitor ranks them.
-    _require(ck.save_top_k != 0, "trainer.test_ckpt", test_ckpt,
-             f"a best checkpoint to test, which checkpoint.save_top_k=0 never keeps: set checkpoint.monitor="
-             f"{ck.monitor or 'val/acc'} checkpoint.save_top_k=1, or trainer.test_ckpt=last")
+    _require(
+        ck.save_top_k != 0,
+        "trainer.test_ckpt",
+        test_ckpt,
+        f"a best checkpoint to test, which checkpoint.save_top_k=0 never keeps: set checkpoint.monitor="
+        f"{ck.monitor or 'val/acc'} checkpoint.save_top_k=1, or trainer.test_ckpt=last",
+    )
 
 
 def parse_duration(value: Any) -> Optional[float]:
@@ -466,72 +536,144 @@ def parse_duration(value: Any) -> Optional[float]:
 
 def _check_callbacks(callbacks: Any) -> None:
     """A dict of callback nodes: each a node with a _target_, or null (turned off)."""
-    _require(isinstance(callbacks, DictConfig), "callbacks", callbacks,
-             "a dict of name: {_target_: ...} (e.g. callbacks=default, or callbacks=none)")
+    _require(
+        isinstance(callbacks, DictConfig),
+        "callbacks",
+        callbacks,
+        "a dict of name: {_target_: ...} (e.g. callbacks=default, or callbacks=none)",
+    )
     for name, node in callbacks.items_ex(resolve=False):
         if node is None:
             continue
-        _require(isinstance(node, DictConfig) and "_target_" in node, f"callbacks.{name}", node,
-                 "a node with a _target_ (a framework.callbacks.Callback subclass), or null to turn it off")
+        _require(
+            isinstance(node, DictConfig) and "_target_" in node,
+            f"callbacks.{name}",
+            node,
+            "a node with a _target_ (a framework.callbacks.Callback subclass), or null to turn it off",
+        )
 
 
 def _check_checkpoint(ck: DictConfig, data: Any) -> None:
     for i, name in enumerate(ck.signals):
-        _require(parse_signal(name) is not None, f"checkpoint.signals[{i}]", name,
-                 "a signal name such as SIGTERM, SIGUSR1 or USR2")
-    _require(ck.requeue in ("auto", True, False), "checkpoint.requeue", ck.requeue,
-             "auto (requeue under SLURM or submitit), true or false")
+        _require(
+            parse_signal(name) is not None,
+            f"checkpoint.signals[{i}]",
+            name,
+            "a signal name such as SIGTERM, SIGUSR1 or USR2",
+        )
+    _require(
+        ck.requeue in ("auto", True, False),
+        "checkpoint.requeue",
+        ck.requeue,
+        "auto (requeue under SLURM or submitit), true or false",
+    )
     _require(ck.every_n_steps >= 0, "checkpoint.every_n_steps", ck.every_n_steps, ">= 0 (0: never)")
     _require(ck.every_n_epochs >= 0, "checkpoint.every_n_epochs", ck.every_n_epochs, ">= 0 (0: never)")
     _require(ck.keep_last >= -1, "checkpoint.keep_last", ck.keep_last, ">= 0, or -1 to keep them all")
     _require(ck.save_top_k >= -1, "checkpoint.save_top_k", ck.save_top_k, ">= 0, or -1 to keep them all")
     if ck.save_top_k == 0:  # a monitor alone is fine: it also names a sweep's objective
         return
-    _require(ck.monitor is not None, "checkpoint.save_top_k", ck.save_top_k,
-             "0 with checkpoint.monitor=null, or a metric to rank by: checkpoint.monitor=val/loss (or val/acc)")
-    _require(ck.monitor.startswith("val/") and len(ck.monitor) > len("val/"), "checkpoint.monitor", ck.monitor,
-             "a validation metric 'val/<name>' to rank checkpoints by, e.g. val/loss or val/acc")
-    _require(not isinstance(data, DictConfig) or data.get("val") is not None, "checkpoint.save_top_k",
-             ck.save_top_k, f"0 when data.val=null (nothing computes {ck.monitor}), or a data.val split")
+    _require(
+        ck.monitor is not None,
+        "checkpoint.save_top_k",
+        ck.save_top_k,
+        "0 with checkpoint.monitor=null, or a metric to rank by: checkpoint.monitor=val/loss (or val/acc)",
+    )
+    _require(
+        ck.monitor.startswith("val/") and len(ck.monitor) > len("val/"),
+        "checkpoint.monitor",
+        ck.monitor,
+        "a validation metric 'val/<name>' to rank checkpoints by, e.g. val/loss or val/acc",
+    )
+    _require(
+        not isinstance(data, DictConfig) or data.get("val") is not None,
+        "checkpoint.save_top_k",
+        ck.save_top_k,
+        f"0 when data.val=null (nothing computes {ck.monitor}), or a data.val split",
+    )
 
 
 def _check_parallel(p: DictConfig, device: str, trainer: DictConfig, precision: DictConfig) -> None:
     processes = p.strategy in PROCESS_STRATEGIES
     fsdp = p.strategy == StrategyName.fsdp
     strategy = getattr(p.strategy, "value", p.strategy)
-    _require(p.devices is None or p.devices >= 1, "parallel.devices", p.devices,
-             "null (one process per GPU, or 2 on CPU) or a number of processes >= 1")
-    _require(p.devices is None or processes, "parallel.devices", p.devices,
-             f"null with parallel={strategy} (only parallel=ddp and parallel=fsdp start processes), or parallel=ddp")
+    _require(
+        p.devices is None or p.devices >= 1,
+        "parallel.devices",
+        p.devices,
+        "null (one process per GPU, or 2 on CPU) or a number of processes >= 1",
+    )
+    _require(
+        p.devices is None or processes,
+        "parallel.devices",
+        p.devices,
+        f"null with parallel={strategy} (only parallel=ddp and parallel=fsdp start processes), or parallel=ddp",
+    )
     if p.backend is not None:
-        _require(_backends(p.backend) is not None, "parallel.backend", p.backend,
-                 f"null (nccl on CUDA, gloo on CPU), one of {', '.join(DIST_BACKENDS)}, or one per device "
-                 "as cpu:gloo,cuda:nccl")
+        _require(
+            _backends(p.backend) is not None,
+            "parallel.backend",
+            p.backend,
+            f"null (nccl on CUDA, gloo on CPU), one of {', '.join(DIST_BACKENDS)}, or one per device "
+            "as cpu:gloo,cuda:nccl",
+        )
         _require(processes, "parallel.backend", p.backend, f"null with parallel={strategy}, or parallel=ddp")
     for key in ("find_unused_parameters", "static_graph"):  # DDP's own options
-        _require(p.strategy == StrategyName.ddp or not p[key], f"parallel.{key}", p[key],
-                 f"false with parallel={strategy}, or parallel=ddp")
+        _require(
+            p.strategy == StrategyName.ddp or not p[key],
+            f"parallel.{key}",
+            p[key],
+            f"false with parallel={strategy}, or parallel=ddp",
+        )
     # FSDP's own options, at their defaults under any other strategy.
-    _require(fsdp or p.shard_modules is None, "parallel.shard_modules", _listed(p.shard_modules),
-             f"null with parallel={strategy}, or parallel=fsdp")
-    _require(fsdp or p.reshard_after_forward, "parallel.reshard_after_forward", p.reshard_after_forward,
-             f"true with parallel={strategy}, or parallel=fsdp")
-    _require(fsdp or not p.cpu_offload, "parallel.cpu_offload", p.cpu_offload,
-             f"false with parallel={strategy}, or parallel=fsdp")
+    _require(
+        fsdp or p.shard_modules is None,
+        "parallel.shard_modules",
+        _listed(p.shard_modules),
+        f"null with parallel={strategy}, or parallel=fsdp",
+    )
+    _require(
+        fsdp or p.reshard_after_forward,
+        "parallel.reshard_after_forward",
+        p.reshard_after_forward,
+        f"true with parallel={strategy}, or parallel=fsdp",
+    )
+    _require(
+        fsdp or not p.cpu_offload,
+        "parallel.cpu_offload",
+        p.cpu_offload,
+        f"false with parallel={strategy}, or parallel=fsdp",
+    )
     for i, name in enumerate(p.shard_modules or []):
-        _require(re.fullmatch(r"[A-Za-z_][\w.]*", name) is not None, f"parallel.shard_modules[{i}]", name,
-                 "the dotted path of an nn.Module class, e.g. torch.nn.TransformerEncoderLayer")
+        _require(
+            re.fullmatch(r"[A-Za-z_][\w.]*", name) is not None,
+            f"parallel.shard_modules[{i}]",
+            name,
+            "the dotted path of an nn.Module class, e.g. torch.nn.TransformerEncoderLayer",
+        )
     if fsdp:
         mode = getattr(precision.mode, "value", precision.mode)
-        _require(mode != "fp16", "precision.mode", mode,
-                 "fp32 or bf16 with parallel=fsdp (FSDP computes in bf16 with fp32 master weights and reductions; "
-                 "fp16's GradScaler does not see gradients sharded over ranks)")
-        _require(not trainer.compile, "trainer.compile", trainer.compile,
-                 "false with parallel=fsdp (compiling a sharded model is not supported here yet)")
+        _require(
+            mode != "fp16",
+            "precision.mode",
+            mode,
+            "fp32 or bf16 with parallel=fsdp (FSDP computes in bf16 with fp32 master weights and reductions; "
+            "fp16's GradScaler does not see gradients sharded over ranks)",
+        )
+        _require(
+            not trainer.compile,
+            "trainer.compile",
+            trainer.compile,
+            "false with parallel=fsdp (compiling a sharded model is not supported here yet)",
+        )
     longest = int(timedelta.max.total_seconds())
     _require(1 <= p.timeout_s <= longest, "parallel.timeout_s", p.timeout_s, f"a number of seconds in 1..{longest}")
-    _require(not (processes and device.startswith("cuda")), "trainer.device", device,
-             f"'auto' with parallel={strategy} (each process takes the GPU of its local rank), or 'cpu'")
+    _require(
+        not (processes and device.startswith("cuda")),
+        "trainer.device",
+        device,
+        f"'auto' with parallel={strategy} (each process takes the GPU of its local rank), or 'cpu'",
+    )
 
 
 def _listed(value: Any) -> Any:
@@ -550,16 +692,23 @@ def _backends(value: str) -> Optional[list[str]]:
 
 
 def _check_data(data: DictConfig) -> None:
-    _require("train" not in data or data.train is not None, "data.train", None,
-             "a dataset node (with _target_): every run trains on data.train")
+    _require(
+        "train" not in data or data.train is not None,
+        "data.train",
+        None,
+        "a dataset node (with _target_): every run trains on data.train",
+    )
     for name, low, null in DATA_COUNTS:
         if name in data:
             _check_int(f"data.{name}", data[name], low, null=null)
     shape = data.get("input_shape")
-    _require(shape is None or (isinstance(shape, ListConfig) and len(shape) > 0
-                               and all(_is_int(size) and size >= 1 for size in shape)),
-             "data.input_shape", list(shape) if isinstance(shape, ListConfig) else shape,
-             "null or the shape of one sample, sizes >= 1, e.g. [1, 28, 28]")
+    _require(
+        shape is None
+        or (isinstance(shape, ListConfig) and len(shape) > 0 and all(_is_int(size) and size >= 1 for size in shape)),
+        "data.input_shape",
+        list(shape) if isinstance(shape, ListConfig) else shape,
+        "null or the shape of one sample, sizes >= 1, e.g. [1, 28, 28]",
+    )
 
 
 def _check_hardware(device: str, p: DictConfig) -> None:
@@ -578,14 +727,22 @@ def _check_hardware(device: str, p: DictConfig) -> None:
     if kind == "cuda" and gpus == 0:
         refuse("trainer.device", device, "no CUDA device is visible", "'auto' or 'cpu'")
     if kind == "cuda" and index and int(index) >= gpus:
-        refuse("trainer.device", device, f"{gpus} CUDA device{'s are' if gpus > 1 else ' is'} visible",
-               f"one of cuda:0..cuda:{gpus - 1}, 'cuda' or 'auto'")
+        refuse(
+            "trainer.device",
+            device,
+            f"{gpus} CUDA device{'s are' if gpus > 1 else ' is'} visible",
+            f"one of cuda:0..cuda:{gpus - 1}, 'cuda' or 'auto'",
+        )
     if kind == "mps" and not torch.backends.mps.is_available():
         refuse("trainer.device", device, "MPS is not available", "'auto' or 'cpu'")
     on_cuda = gpus > 0 and kind in ("auto", "cuda")
     if ddp and on_cuda and p.devices is not None and p.devices > gpus:
-        refuse("parallel.devices", p.devices, f"{gpus} CUDA device{'s are' if gpus > 1 else ' is'} visible",
-               f"at most {gpus}, one process per device (or trainer.device=cpu for processes on the CPU)")
+        refuse(
+            "parallel.devices",
+            p.devices,
+            f"{gpus} CUDA device{'s are' if gpus > 1 else ' is'} visible",
+            f"at most {gpus}, one process per device (or trainer.device=cpu for processes on the CPU)",
+        )
     if ddp and p.backend is not None:
         import torch.distributed as dist
 
@@ -593,5 +750,6 @@ def _check_hardware(device: str, p: DictConfig) -> None:
             if not (dist.is_available() and dist.is_backend_available(name)):
                 refuse("parallel.backend", p.backend, f"this torch build has no {name} backend", "gloo, or null")
         if not on_cuda and "nccl" in _backends(p.backend):  # even as cuda:nccl: the group is made at start
-            refuse("parallel.backend", p.backend, "nccl needs CUDA, and these processes run on the CPU",
-                   "gloo, or null")
+            refuse(
+                "parallel.backend", p.backend, "nccl needs CUDA, and these processes run on the CPU", "gloo, or null"
+            )

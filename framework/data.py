@@ -9,6 +9,7 @@ Two ways to make batches, same order:
 Either way the order depends only on (seed, epoch, rank, world size), never on the global RNG, so a run
 resumed at batch k of an epoch sees exactly the batches an uninterrupted run would.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,9 @@ from framework.reproducibility import generator
 class EpochSampler(Sampler[int]):
     """Per-epoch seeded order, sharded over ranks (like DistributedSampler) and started at any position."""
 
-    def __init__(self, size: int, *, shuffle: bool, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 pad: bool = True) -> None:
+    def __init__(
+        self, size: int, *, shuffle: bool, seed: int = 0, rank: int = 0, world_size: int = 1, pad: bool = True
+    ) -> None:
         self.size, self.shuffle, self.seed = size, shuffle, seed
         self.rank, self.world_size, self.pad = rank, world_size, pad
         self.epoch, self.start = 0, 0
@@ -45,11 +47,11 @@ class EpochSampler(Sampler[int]):
             if self.pad:  # every rank gets the same number of samples, so collectives stay in step
                 total = math.ceil(self.size / self.world_size) * self.world_size
                 order = torch.cat([order, order[: total - self.size]])
-            order = order[self.rank:: self.world_size]
+            order = order[self.rank :: self.world_size]
         return order
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.order()[self.start:].tolist())
+        return iter(self.order()[self.start :].tolist())
 
     def __len__(self) -> int:
         return len(self.order()) - self.start
@@ -58,19 +60,20 @@ class EpochSampler(Sampler[int]):
 class TensorBatches:
     """The in-memory fast path: one gather per tensor per epoch, then a view per batch."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], sampler: EpochSampler, batch_size: int,
-                 drop_last: bool) -> None:
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], sampler: EpochSampler, batch_size: int, drop_last: bool
+    ) -> None:
         self.tensors, self.sampler, self.batch_size, self.drop_last = tensors, sampler, batch_size, drop_last
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         order = self.sampler.order()
         n = len(order) - len(order) % self.batch_size if self.drop_last else len(order)
-        order = order[self.sampler.start: n]
+        order = order[self.sampler.start : n]
         # A copy even without shuffling, so that a step changing its batch in place cannot change the dataset;
         # index_select takes a third of the time of `t[order]` on CPU, for the same result.
         permuted = [t.index_select(0, order.to(t.device)) for t in self.tensors]
         for i in range(0, len(order), self.batch_size):
-            yield tuple(t[i: i + self.batch_size] for t in permuted)
+            yield tuple(t[i : i + self.batch_size] for t in permuted)
 
     def __len__(self) -> int:
         return _num_batches(len(self.sampler), self.batch_size, self.drop_last)
@@ -97,20 +100,35 @@ class DataModule:
     `collate_fn: {_target_: experiments.lm.next_token_batch, _partial_: true}`.
     """
 
-    def __init__(self, train: Dataset, val: Optional[Dataset] = None, test: Optional[Dataset] = None, *,
-                 num_classes: Optional[int] = None, input_shape: Optional[Sequence[int]] = None,
-                 root: Optional[str] = None, batch_size: int = 64, eval_batch_size: Optional[int] = None,
-                 shuffle: bool = True, drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False,
-                 persistent_workers: bool = False, prefetch_factor: Optional[int] = None,
-                 collate_fn: Optional[Callable[[list], Any]] = None) -> None:
+    def __init__(
+        self,
+        train: Dataset,
+        val: Optional[Dataset] = None,
+        test: Optional[Dataset] = None,
+        *,
+        num_classes: Optional[int] = None,
+        input_shape: Optional[Sequence[int]] = None,
+        root: Optional[str] = None,
+        batch_size: int = 64,
+        eval_batch_size: Optional[int] = None,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        prefetch_factor: Optional[int] = None,
+        collate_fn: Optional[Callable[[list], Any]] = None,
+    ) -> None:
         self.datasets = {"train": train, "val": val, "test": test}
         self.num_classes, self.input_shape, self.root = num_classes, input_shape, root
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self.shuffle, self.drop_last = shuffle, drop_last
         if collate_fn is not None and not callable(collate_fn):
-            raise ConfigError(f"data.collate_fn={collate_fn!r}: expected a callable turning a list of samples into a "
-                              "batch, e.g. {_target_: my_module.my_collate, _partial_: true}")
+            raise ConfigError(
+                f"data.collate_fn={collate_fn!r}: expected a callable turning a list of samples into a "
+                "batch, e.g. {_target_: my_module.my_collate, _partial_: true}"
+            )
         self.collate_fn = collate_fn
         self.loader_options: dict[str, Any] = {
             "num_workers": num_workers,
@@ -133,10 +151,13 @@ class DataModule:
             try:
                 size = len(dataset)
             except Exception as err:  # e.g. a negative size in the dataset's config
-                raise ConfigError(f"data.{split}: len() of {type(dataset).__name__} failed ({err}); "
-                                  f"expected a dataset with a size >= 0") from None
-            sampler = EpochSampler(size, shuffle=train and self.shuffle, seed=seed, rank=rank,
-                                   world_size=world_size, pad=train)
+                raise ConfigError(
+                    f"data.{split}: len() of {type(dataset).__name__} failed ({err}); "
+                    f"expected a dataset with a size >= 0"
+                ) from None
+            sampler = EpochSampler(
+                size, shuffle=train and self.shuffle, seed=seed, rank=rank, world_size=world_size, pad=train
+            )
             batch_size = self.batch_size if train else self.eval_batch_size
             drop_last = self.drop_last and train
             tensors = dataset_tensors(dataset)
@@ -148,9 +169,15 @@ class DataModule:
 
     def _data_loader(self, split: str, sampler: EpochSampler) -> DataLoader:
         train = split == "train"
-        return DataLoader(self.datasets[split], batch_size=self.batch_size if train else self.eval_batch_size,
-                          sampler=sampler, drop_last=self.drop_last and train, generator=generator(sampler.seed),
-                          collate_fn=self.collate_fn, **self.loader_options)
+        return DataLoader(
+            self.datasets[split],
+            batch_size=self.batch_size if train else self.eval_batch_size,
+            sampler=sampler,
+            drop_last=self.drop_last and train,
+            generator=generator(sampler.seed),
+            collate_fn=self.collate_fn,
+            **self.loader_options,
+        )
 
     def batches(self, split: str, epoch: int = 0, start_batch: int = 0) -> Iterable:
         """The batches of `split` for `epoch`, skipping the first `start_batch` ones without loading them."""
@@ -169,9 +196,11 @@ class DataModule:
         except UserError:
             raise
         except Exception as err:
-            raise ConfigError(f"data.{split}: making its first batch raised {error_line(err)}; expected samples "
-                              "of tensors, numbers or numpy arrays (e.g. images through a ToTensor transform) "
-                              f"{FULL_ERROR_HINT}") from err
+            raise ConfigError(
+                f"data.{split}: making its first batch raised {error_line(err)}; expected samples "
+                "of tensors, numbers or numpy arrays (e.g. images through a ToTensor transform) "
+                f"{FULL_ERROR_HINT}"
+            ) from err
 
     def close(self) -> None:
         """Stop the persistent worker processes now, each asked to exit and joined (exit code 0), rather than when
@@ -192,8 +221,12 @@ def _check_dataset(split: str, dataset: Any) -> None:
     """A config value that is not a dataset (a dotted path without `_target_`, a node without one), or one
     that cannot be indexed: the sampler draws indices, so the order is seeded and resumable."""
     if isinstance(dataset, (str, bytes, int, float, Mapping)):
-        raise ConfigError(f"data.{split}={dataset!r}: expected a dataset node with a _target_, e.g. "
-                          f"data.{split}._target_=torchvision.datasets.FakeData, or null")
+        raise ConfigError(
+            f"data.{split}={dataset!r}: expected a dataset node with a _target_, e.g. "
+            f"data.{split}._target_=torchvision.datasets.FakeData, or null"
+        )
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
-        raise ConfigError(f"data.{split}: {type(dataset).__name__} cannot be indexed; expected a map-style "
-                          "dataset (__len__ and __getitem__), which the seeded, resumable order needs")
+        raise ConfigError(
+            f"data.{split}: {type(dataset).__name__} cannot be indexed; expected a map-style "
+            "dataset (__len__ and __getitem__), which the seeded, resumable order needs"
+        )

@@ -1,4 +1,5 @@
 """The one exception type for user mistakes: the entry point prints its message alone and exits non-zero."""
+
 import os
 
 # Set by framework.cli when it asks Hydra to raise (HYDRA_FULL_ERROR=1) only to report errors in our own form.

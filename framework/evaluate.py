@@ -7,6 +7,7 @@ logger's `EvalLog`; the task's epoch hooks run after the last batch, before that
 then its stateful metrics (`epoch_metrics`, reduced by torchmetrics). Under FSDP a rank with fewer batches runs
 empty ones, so every rank gathers the weights as often as the others.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -42,9 +43,19 @@ def rows(batch: Any, n: int) -> Any:
 
 
 class Evaluator:
-    def __init__(self, *, task: Task, model_attr: str, data: Any, strategy: Any, precision: Any,
-                 metric_logger: MetricLogger, step_fns: dict[str, Callable[[Any, int], Any]], limits: dict[str, Any],
-                 overfit: int) -> None:
+    def __init__(
+        self,
+        *,
+        task: Task,
+        model_attr: str,
+        data: Any,
+        strategy: Any,
+        precision: Any,
+        metric_logger: MetricLogger,
+        step_fns: dict[str, Callable[[Any, int], Any]],
+        limits: dict[str, Any],
+        overfit: int,
+    ) -> None:
         """`limits`: batches per split ("val", "test"; Lightning's limit_*_batches); `overfit`: validate on the
         first `overfit` training batches instead (trainer.overfit_batches)."""
         self.task, self.model_attr, self.data, self.strategy = task, model_attr, data, strategy
@@ -71,8 +82,12 @@ class Evaluator:
         # A sharded model's forward gathers weights from every rank: a rank with fewer batches runs empty ones.
         rounds = max(self.strategy.gather_objects(batches)) if self.strategy.collective_forward else batches
         hook = "validation" if split == "val" else "test"
-        batch_start, batch_end = (getattr(self.task, f"on_{hook}_batch_{when}") if task_hooks.defines(
-            self.task, f"on_{hook}_batch_{when}") else None for when in ("start", "end"))
+        batch_start, batch_end = (
+            getattr(self.task, f"on_{hook}_batch_{when}")
+            if task_hooks.defines(self.task, f"on_{hook}_batch_{when}")
+            else None
+            for when in ("start", "end")
+        )
         wrapped = getattr(self.task, self.model_attr)
         setattr(self.task, self.model_attr, self.strategy.for_eval(wrapped))
         self.task.eval()

@@ -14,6 +14,7 @@ token ids, say, gives a batch of them), else a random float batch of shape [2, *
 Both files are then reloaded and run on that batch in eval mode against the checkpoint's model: the weights must
 give identical outputs, TorchScript outputs within float tolerance. Errors are one line and exit code 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,13 +44,17 @@ def find_checkpoint(path: Path, which: Optional[str]) -> Checkpoint:
         return open_checkpoint(path)
     folder = path / "checkpoints"
     if not folder.is_dir():
-        raise UserError(f"{path}: neither a checkpoint directory (with {META_FILE}) nor a run directory with "
-                        "checkpoints/; expected e.g. outputs/NAME/TIME or outputs/NAME/TIME/checkpoints/best")
+        raise UserError(
+            f"{path}: neither a checkpoint directory (with {META_FILE}) nor a run directory with "
+            "checkpoints/; expected e.g. outputs/NAME/TIME or outputs/NAME/TIME/checkpoints/best"
+        )
     which = which or ("best" if (folder / "best").is_dir() else "last")
     if not (folder / which).is_dir():
         saved = ", ".join(sorted(p.name for p in folder.iterdir() if p.is_dir())) or "none"
-        raise UserError(f"{path}: no checkpoints/{which} (saved: {saved}); expected a run that saved one "
-                        "(checkpoint=default saves last and best)")
+        raise UserError(
+            f"{path}: no checkpoints/{which} (saved: {saved}); expected a run that saved one "
+            "(checkpoint=default saves last and best)"
+        )
     return open_checkpoint(folder / which)
 
 
@@ -59,8 +64,10 @@ def build_model(checkpoint: Checkpoint, trust: bool = False, conf_dir: Optional[
     framework's, the framework's package or the project's packages name (as on resume)."""
     saved = checkpoint.meta["config"]
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
-        raise UserError(f"checkpoint {checkpoint.path}: its saved config has no model node; expected the config "
-                        "written by this framework")
+        raise UserError(
+            f"checkpoint {checkpoint.path}: its saved config has no model node; expected the config "
+            "written by this framework"
+        )
     cfg = OmegaConf.create(as_data({"model": saved["model"]}))
     if not trust:
         project = Path.cwd()
@@ -75,13 +82,17 @@ def example_batch(checkpoint: Checkpoint, model: torch.nn.Module) -> torch.Tenso
     if isinstance(example, torch.Tensor):
         return example
     if example is not None:
-        raise UserError(f"{type(model).__name__}.example_input_array is a {type(example).__name__}; export expects "
-                        "one tensor (the batch the model is traced and verified on)")
+        raise UserError(
+            f"{type(model).__name__}.example_input_array is a {type(example).__name__}; export expects "
+            "one tensor (the batch the model is traced and verified on)"
+        )
     shape = checkpoint.meta["config"].get("data", {}).get("input_shape")
     if not shape:
-        raise UserError(f"checkpoint {checkpoint.path}: its config has no data.input_shape and the model no "
-                        "example_input_array; expected the shape of one input, e.g. data.input_shape=[3,32,32], "
-                        "to build the example batch")
+        raise UserError(
+            f"checkpoint {checkpoint.path}: its config has no data.input_shape and the model no "
+            "example_input_array; expected the shape of one input, e.g. data.input_shape=[3,32,32], "
+            "to build the example batch"
+        )
     return torch.randn(2, *shape, generator=torch.Generator().manual_seed(0))
 
 
@@ -95,8 +106,9 @@ def to_torchscript(model: torch.nn.Module, batch: torch.Tensor, mode: str) -> to
                 return torch.jit.trace(model, batch)  # (nn.TransformerEncoderLayer) then trace the same each time
         except Exception as err:  # noqa: BLE001  (TorchScript rejects many Python constructs)
             other = "script" if mode == "trace" else "trace"
-            raise UserError(f"--torchscript {mode} failed: {str(err).strip().splitlines()[0]}; "
-                            f"try --torchscript {other}") from None
+            raise UserError(
+                f"--torchscript {mode} failed: {str(err).strip().splitlines()[0]}; try --torchscript {other}"
+            ) from None
 
 
 def eval_weights(checkpoint: Checkpoint, raw: bool = False) -> tuple[dict[str, torch.Tensor], str]:
@@ -113,8 +125,14 @@ def eval_weights(checkpoint: Checkpoint, raw: bool = False) -> tuple[dict[str, t
     return weights, "trained weights"
 
 
-def export(checkpoint: Checkpoint, out: Path, mode: str = "trace", trust: bool = False,
-           raw: bool = False, conf_dir: Optional[Path] = None) -> tuple[dict[str, float], str, torch.Tensor]:
+def export(
+    checkpoint: Checkpoint,
+    out: Path,
+    mode: str = "trace",
+    trust: bool = False,
+    raw: bool = False,
+    conf_dir: Optional[Path] = None,
+) -> tuple[dict[str, float], str, torch.Tensor]:
     """Write the two files under `out`, reload them, and return the max abs difference of each from the
     checkpoint's model on the example batch (raises UserError when outside tolerance), which weights were
     exported, and that batch."""
@@ -127,13 +145,17 @@ def export(checkpoint: Checkpoint, out: Path, mode: str = "trace", trust: bool =
         with torch.no_grad():
             expected = model(batch)
     except Exception as err:  # noqa: BLE001  (whatever the user's forward raises)
-        raise UserError(f"{type(model).__name__} did not run on the example batch, {_described(batch)} "
-                        f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}); "
-                        "export expects a model taking one tensor: a float one of data.input_shape, or one "
-                        "like its example_input_array attribute") from None
+        raise UserError(
+            f"{type(model).__name__} did not run on the example batch, {_described(batch)} "
+            f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}); "
+            "export expects a model taking one tensor: a float one of data.input_shape, or one "
+            "like its example_input_array attribute"
+        ) from None
     if not isinstance(expected, torch.Tensor):
-        raise UserError(f"{type(model).__name__} returned a {type(expected).__name__}; export expects a model "
-                        "returning one tensor (TorchScript outputs are compared with it)")
+        raise UserError(
+            f"{type(model).__name__} returned a {type(expected).__name__}; export expects a model "
+            "returning one tensor (TorchScript outputs are compared with it)"
+        )
 
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in model.state_dict().items()}
@@ -150,12 +172,16 @@ def export(checkpoint: Checkpoint, out: Path, mode: str = "trace", trust: bool =
         got = {WEIGHTS_FILE: fresh(batch), TORCHSCRIPT_FILE: scripted(batch)}
     diffs = {name: (value - expected).abs().max().item() for name, value in got.items()}
     if not torch.equal(got[WEIGHTS_FILE], expected):
-        raise UserError(f"{out / WEIGHTS_FILE}: the reloaded weights give different outputs (max abs difference "
-                        f"{diffs[WEIGHTS_FILE]:.3g}); expected identical ones")
+        raise UserError(
+            f"{out / WEIGHTS_FILE}: the reloaded weights give different outputs (max abs difference "
+            f"{diffs[WEIGHTS_FILE]:.3g}); expected identical ones"
+        )
     if not torch.allclose(got[TORCHSCRIPT_FILE], expected, rtol=1e-4, atol=1e-5):
-        raise UserError(f"{out / TORCHSCRIPT_FILE}: TorchScript ({mode}) outputs differ from the model's by up to "
-                        f"{diffs[TORCHSCRIPT_FILE]:.3g}; expected allclose (rtol 1e-4, atol 1e-5)"
-                        + ("; a data-dependent branch may need --torchscript script" if mode == "trace" else ""))
+        raise UserError(
+            f"{out / TORCHSCRIPT_FILE}: TorchScript ({mode}) outputs differ from the model's by up to "
+            f"{diffs[TORCHSCRIPT_FILE]:.3g}; expected allclose (rtol 1e-4, atol 1e-5)"
+            + ("; a data-dependent branch may need --torchscript script" if mode == "trace" else "")
+        )
     return diffs, which, batch
 
 
@@ -173,30 +199,50 @@ def default_out(checkpoint: Checkpoint) -> Path:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m framework.export", description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path, help="a run directory or a checkpoint directory")
-    parser.add_argument("--which", choices=("best", "last"), default=None,
-                        help="which checkpoint of a run directory (default: best if saved, else last)")
+    parser.add_argument(
+        "--which",
+        choices=("best", "last"),
+        default=None,
+        help="which checkpoint of a run directory (default: best if saved, else last)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/export)")
-    parser.add_argument("--torchscript", choices=("trace", "script"), default="trace",
-                        help="how model.pt is made (default: trace, on the example batch)")
-    parser.add_argument("--raw", action="store_true",
-                        help="export the trained weights even where the run evaluated an EMA of them")
-    parser.add_argument("--trust-saved-config", action="store_true",
-                        help="build the model even if the saved config names targets this project does not")
-    parser.add_argument("--config-dir", type=Path, default=None,
-                        help="your config tree, whose targets the saved config may name (default: ./conf)")
+    parser.add_argument(
+        "--torchscript",
+        choices=("trace", "script"),
+        default="trace",
+        help="how model.pt is made (default: trace, on the example batch)",
+    )
+    parser.add_argument(
+        "--raw", action="store_true", help="export the trained weights even where the run evaluated an EMA of them"
+    )
+    parser.add_argument(
+        "--trust-saved-config",
+        action="store_true",
+        help="build the model even if the saved config names targets this project does not",
+    )
+    parser.add_argument(
+        "--config-dir",
+        type=Path,
+        default=None,
+        help="your config tree, whose targets the saved config may name (default: ./conf)",
+    )
     args = parser.parse_args(argv)
     try:
         checkpoint = find_checkpoint(args.path, args.which)
         out = args.out or default_out(checkpoint)
-        diffs, which, batch = export(checkpoint, out, args.torchscript, args.trust_saved_config, args.raw, args.config_dir)
+        diffs, which, batch = export(
+            checkpoint, out, args.torchscript, args.trust_saved_config, args.raw, args.config_dir
+        )
     except UserError as err:
         print(f"Error: {err}", file=sys.stderr)
         return 1
-    print(f"Exported {checkpoint.path} (step {checkpoint.step}), {which}:\n"
-          f"  {out / WEIGHTS_FILE}  weights (state dict)\n"
-          f"  {out / TORCHSCRIPT_FILE}  TorchScript ({args.torchscript})\n"
-          f"Verified on the example batch, {_described(batch)}, in eval mode, max abs difference: "
-          f"weights {diffs[WEIGHTS_FILE]:.3g} (identical), TorchScript {diffs[TORCHSCRIPT_FILE]:.3g}")
+    print(
+        f"Exported {checkpoint.path} (step {checkpoint.step}), {which}:\n"
+        f"  {out / WEIGHTS_FILE}  weights (state dict)\n"
+        f"  {out / TORCHSCRIPT_FILE}  TorchScript ({args.torchscript})\n"
+        f"Verified on the example batch, {_described(batch)}, in eval mode, max abs difference: "
+        f"weights {diffs[WEIGHTS_FILE]:.3g} (identical), TorchScript {diffs[TORCHSCRIPT_FILE]:.3g}"
+    )
     return 0
 
 

@@ -6,6 +6,7 @@ target imports and that each key is an argument the target accepts, so a typo su
 A constructor that raises (a dataset whose files are missing, a learning rate of -1) is reported as the
 config key of the node that failed, with the values it was given.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -48,13 +49,16 @@ def import_object(path: str) -> Any:
 def locate(target: Any, key: str) -> Any:
     """Import a dotted path, or raise a ConfigError naming `key`."""
     if not isinstance(target, str):
-        raise ConfigError(f"{key}._target_={target!r}: expected a dotted path to a class or function, "
-                          "e.g. torch.nn.Linear")
+        raise ConfigError(
+            f"{key}._target_={target!r}: expected a dotted path to a class or function, e.g. torch.nn.Linear"
+        )
     try:
         return import_object(target)
     except Exception as err:  # ImportError or ValueError from Hydra's locator; the cause says what is missing
-        raise ConfigError(f"{key}._target_={target!r} cannot be imported: {error_line(err.__cause__ or err)}; "
-                          "expected a dotted path to a class or function, e.g. torch.nn.Linear") from None
+        raise ConfigError(
+            f"{key}._target_={target!r} cannot be imported: {error_line(err.__cause__ or err)}; "
+            "expected a dotted path to a class or function, e.g. torch.nn.Linear"
+        ) from None
 
 
 def _parameters(obj: Any) -> dict[str, inspect.Parameter] | None:
@@ -74,8 +78,11 @@ def _parameters(obj: Any) -> dict[str, inspect.Parameter] | None:
     params = signature.parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return None
-    return {name: p for name, p in params.items()
-            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return {
+        name: p
+        for name, p in params.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
 
 
 def check(node: Any, key: str, provided: Iterable[str] = ()) -> None:
@@ -105,11 +112,16 @@ def check(node: Any, key: str, provided: Iterable[str] = ()) -> None:
     unaccepted = sorted(provided - set(params))
     if unaccepted:
         name = unaccepted[0]
-        raise ConfigError(f"{key}._target_={target!r}: it takes no argument '{name}', which the framework "
-                          f"passes; expected a class or function with a '{name}' argument")
+        raise ConfigError(
+            f"{key}._target_={target!r}: it takes no argument '{name}', which the framework "
+            f"passes; expected a class or function with a '{name}' argument"
+        )
     partial = node.get("_partial_", False) or "_args_" in node  # the user's own partial, or positional arguments
-    missing = [name for name, p in params.items()
-               if p.default is inspect.Parameter.empty and name not in node and name not in provided]
+    missing = [
+        name
+        for name, p in params.items()
+        if p.default is inspect.Parameter.empty and name not in node and name not in provided
+    ]
     tensors = [name for name in missing if _is_data(params[name])]
     if tensors and not partial and not inspect.isclass(obj):
         raise ConfigError(_function_of_data(node, key, target, obj, tensors))
@@ -120,8 +132,10 @@ def check(node: Any, key: str, provided: Iterable[str] = ()) -> None:
         name = unknown[0]
         close = difflib.get_close_matches(name, settable, n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
-        raise ConfigError(f"{key}.{name}={_raw(node, name)!r}: {target} has no argument '{name}'; "
-                          f"{hint}expected one of: {', '.join(settable) or '(none)'}")
+        raise ConfigError(
+            f"{key}.{name}={_raw(node, name)!r}: {target} has no argument '{name}'; "
+            f"{hint}expected one of: {', '.join(settable) or '(none)'}"
+        )
     for name in given:
         _check_type(node, name, params[name], f"{key}.{name}", target)
         value = node[name]
@@ -132,10 +146,13 @@ def check(node: Any, key: str, provided: Iterable[str] = ()) -> None:
     name = missing[0]
     later = ""
     if not inspect.isclass(obj) and params[name].annotation is inspect.Parameter.empty:  # data or config? say both
-        later = (f", or, if {target} is called later with its '{name}' (a loss or a metric), "
-                 f"{_partial_override(node, key)}")
-    raise ConfigError(f"{key}.{name} is not set: {target} needs the argument '{name}'; "
-                      f"expected it in the config, e.g. +{key}.{name}=VALUE{later}")
+        later = (
+            f", or, if {target} is called later with its '{name}' (a loss or a metric), {_partial_override(node, key)}"
+        )
+    raise ConfigError(
+        f"{key}.{name} is not set: {target} needs the argument '{name}'; "
+        f"expected it in the config, e.g. +{key}.{name}=VALUE{later}"
+    )
 
 
 def _is_data(param: inspect.Parameter) -> bool:
@@ -152,11 +169,16 @@ def _partial_override(node: DictConfig, key: str) -> str:
 def _function_of_data(node: DictConfig, key: str, target: str, function: Any, missing: list[str]) -> str:
     """`task.loss._target_=torch.nn.functional.nll_loss`: a function of the batch where an object is built."""
     module_class = _module_class(function)
-    instead = (f"a module class such as {module_class}" if module_class is not None
-               else "a class whose objects are called with them (e.g. torch.nn.CrossEntropyLoss for a loss)")
-    return (f"{key}._target_={target!r} is a function of ({', '.join(missing)}), which are tensors given when it is "
-            f"called, not config values; expected {_partial_override(node, key)} to call it with them later, "
-            f"or {instead}")
+    instead = (
+        f"a module class such as {module_class}"
+        if module_class is not None
+        else "a class whose objects are called with them (e.g. torch.nn.CrossEntropyLoss for a loss)"
+    )
+    return (
+        f"{key}._target_={target!r} is a function of ({', '.join(missing)}), which are tensors given when it is "
+        f"called, not config values; expected {_partial_override(node, key)} to call it with them later, "
+        f"or {instead}"
+    )
 
 
 def _module_class(function: Any) -> str | None:
@@ -187,8 +209,10 @@ def _check_type(node: DictConfig, name: str, param: inspect.Parameter, key: str,
         return
     default = param.default
     example = f", e.g. {key}={_override_text(default)}" if isinstance(default, expected) else ""
-    raise ConfigError(f"{key}={_raw(node, name)!r}: {target} takes '{name}' as {expected.__name__}; "
-                      f"expected {_DESCRIBE[expected]}{example}")
+    raise ConfigError(
+        f"{key}={_raw(node, name)!r}: {target} takes '{name}' as {expected.__name__}; "
+        f"expected {_DESCRIBE[expected]}{example}"
+    )
 
 
 def _override_text(value: Any) -> str:
@@ -220,6 +244,7 @@ def build(node: DictConfig, key: str, *, partial: bool = False, provided: Iterab
 def _reporting_failures(factory: Callable[..., Any], node: DictConfig, key: str) -> Callable[..., Any]:
     """Wrap a partial so that the constructor raising at call time is reported like a failed `instantiate`
     (Hydra wraps errors of eager construction, but a partial's call is ours)."""
+
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
             return factory(*args, **kwargs)
@@ -237,7 +262,7 @@ def _failure(node: DictConfig, key: str, err: InstantiationException) -> ConfigE
     failed_key = match.group(1) if match else key
     if not failed_key.startswith(key):  # `node` had no parent (e.g. a masked copy): the key is relative
         failed_key = f"{key}.{failed_key}"
-    relative = failed_key[len(key):].lstrip(".")
+    relative = failed_key[len(key) :].lstrip(".")
     failed = OmegaConf.select(node, relative) if relative else node
     if not isinstance(failed, DictConfig):
         failed = node
@@ -246,8 +271,7 @@ def _failure(node: DictConfig, key: str, err: InstantiationException) -> ConfigE
 
 def _failure_message(node: DictConfig, key: str, target: Any, err: BaseException) -> str:
     """`KEY: TARGET(arg=value, ...) raised Error: message`, with the node's plain values (not nested objects)."""
-    args = ", ".join(f"{name}={node[name]!r}" for name in node
-                     if name not in _RESERVED and _is_plain(node[name]))
+    args = ", ".join(f"{name}={node[name]!r}" for name in node if name not in _RESERVED and _is_plain(node[name]))
     return f"{key}: {target}({args}) raised {error_line(err)}; expected values it accepts {FULL_ERROR_HINT}"
 
 

@@ -5,6 +5,7 @@ on a free port); the parent only waits. torch's process context watches the work
 others are terminated (SIGTERM, then SIGKILL after a grace period), so a failure never hangs the job.
 Under torchrun the environment is already set and nothing is spawned here.
 """
+
 from __future__ import annotations
 
 import logging
@@ -65,8 +66,14 @@ class WorkerFailed(Exception):
     """A worker died of a bug (not a user mistake): carries its traceback text."""
 
 
-def spawn(cfg: DictConfig, run_dir: Path, nprocs: int, checkpoint: Optional[Path] = None,
-          hparams: Optional[dict[str, Any]] = None, choices: Optional[dict[str, Any]] = None) -> None:
+def spawn(
+    cfg: DictConfig,
+    run_dir: Path,
+    nprocs: int,
+    checkpoint: Optional[Path] = None,
+    hparams: Optional[dict[str, Any]] = None,
+    choices: Optional[dict[str, Any]] = None,
+) -> None:
     """Run the Trainer in `nprocs` fresh processes and wait; raise the first failure.
 
     SIGINT and SIGTERM reaching this process are forwarded to the workers as SIGTERM (they ignore SIGINT,
@@ -140,8 +147,17 @@ def _configure_logging(rank: int, run_dir: Path) -> None:
     root.setLevel(logging.INFO if rank == 0 else logging.ERROR)
 
 
-def _worker(rank: int, world_size: int, port: int, cfg: DictConfig, run_dir: Path, checkpoint: Optional[Path],
-            hparams: Optional[dict[str, Any]], choices: Optional[dict[str, Any]], errors: Any) -> None:
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    cfg: DictConfig,
+    run_dir: Path,
+    checkpoint: Optional[Path],
+    hparams: Optional[dict[str, Any]],
+    choices: Optional[dict[str, Any]],
+    errors: Any,
+) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent forwards Ctrl-C as SIGTERM, once
     from framework.signals import LATCH
 
@@ -153,9 +169,15 @@ def _worker(rank: int, world_size: int, port: int, cfg: DictConfig, run_dir: Pat
     multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
     # The parent serves the store at MASTER_ADDR:MASTER_PORT (_host_store): every rank joins it as a client, as
     # torchrun's workers join its agent's (torch.distributed.rendezvous reads the same flag).
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      TORCHELASTIC_USE_AGENT_STORE="True")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
     _configure_logging(rank, run_dir)
     from framework.trainer import train
 

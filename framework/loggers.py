@@ -2,6 +2,7 @@
 
 Only rank 0 creates these; other ranks get disabled instances, so the trainer never branches on rank.
 """
+
 from __future__ import annotations
 
 import json
@@ -102,16 +103,23 @@ def print_summary(summary: Mapping[str, Any], run_dir: Path, kept: bool = True) 
     epochs = _count(summary["epoch"], "epoch")
     if summary.get("batch_in_epoch"):  # stopped mid-epoch (max_steps, a signal, a callback)
         epochs += f" and {summary['batch_in_epoch']} of {summary['epoch_batches']} batches"
-    lines = [f"Done in {summary['seconds']:.1f} s: {epochs}, {_count(summary['step'], 'step')} "
-             f"({summary['precision']}, world size {summary['world_size']})"]
+    lines = [
+        f"Done in {summary['seconds']:.1f} s: {epochs}, {_count(summary['step'], 'step')} "
+        f"({summary['precision']}, world size {summary['world_size']})"
+    ]
     if shown:
         lines.append(f"  {shown}")
     if kept:
-        lines += [f"Run directory: {run_dir}", f"View it with:  tensorboard --logdir {_shell_path(run_dir)}   "
-                                                "(its CUSTOM SCALARS tab shows loss, metrics and LR first)"]
+        lines += [
+            f"Run directory: {run_dir}",
+            f"View it with:  tensorboard --logdir {_shell_path(run_dir)}   "
+            "(its CUSTOM SCALARS tab shows loss, metrics and LR first)",
+        ]
     else:
-        lines.append("fast_dev_run: nothing was kept (no checkpoint, no TensorBoard events, and outside a sweep, whose "
-                     "summary reads it, no run directory)")
+        lines.append(
+            "fast_dev_run: nothing was kept (no checkpoint, no TensorBoard events, and outside a sweep, whose "
+            "summary reads it, no run directory)"
+        )
     logger = logging.getLogger(SUMMARY_LOGGER)
     for line in lines:  # one record a line: each is a complete, prefixed line in run.log
         if logger.hasHandlers():
@@ -131,4 +139,3 @@ def _shell_path(path: Path) -> str:
         pass
     text = str(path)
     return f"'{text}'" if any(c in text for c in " =,'\"") else text
-

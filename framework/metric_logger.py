@@ -15,6 +15,7 @@ train/loss; `train/loss_epoch`), learning rates, AMP's scale, per-epoch performa
 they are read with one host sync per logging step and one per epoch. `TaskHandle` is what a task's
 `self.trainer` is: the run's position and this logger, without the trainer (no reference cycle).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,8 +46,9 @@ def stage_name(name: str, stage: str) -> str:
 def check_reduce_fx(name: str, reduce_fx: Any) -> str:
     fx = getattr(reduce_fx, "__name__", reduce_fx)  # torch.mean, torch.max: by their names, as Lightning takes them
     if fx not in REDUCE_FX:
-        raise ConfigError(f"task: self.log({name!r}, ..., reduce_fx={reduce_fx!r}): expected one of "
-                          f"{', '.join(REDUCE_FX)}")
+        raise ConfigError(
+            f"task: self.log({name!r}, ..., reduce_fx={reduce_fx!r}): expected one of {', '.join(REDUCE_FX)}"
+        )
     return str(fx)
 
 
@@ -55,8 +57,10 @@ def metric_path(task: nn.Module, metric: nn.Module, name: str) -> str:
     for path, module in task.named_modules():
         if module is metric:
             return path
-    raise ConfigError(f"task: self.log({name!r}, <{type(metric).__name__}>): the metric is not an attribute of the "
-                      "task; expected it assigned in __init__ (self.name = Metric(...)), as in Lightning")
+    raise ConfigError(
+        f"task: self.log({name!r}, <{type(metric).__name__}>): the metric is not an attribute of the "
+        "task; expected it assigned in __init__ (self.name = Metric(...)), as in Lightning"
+    )
 
 
 @dataclass
@@ -89,14 +93,16 @@ class EvalLog:
             entry.total = torch.maximum(entry.total, value) if fx == "max" else torch.minimum(entry.total, value)
         entry.weight += weight
 
-    def finish(self, strategy: Any, task: nn.Module, extra_sums: dict[str, torch.Tensor],
-               count: float) -> tuple[dict[str, float], dict[str, float]]:
+    def finish(
+        self, strategy: Any, task: nn.Module, extra_sums: dict[str, torch.Tensor], count: float
+    ) -> tuple[dict[str, float], dict[str, float]]:
         """(the step outputs' means, what the task logged), each over every rank, in one all-reduce for the sums
         (`extra_sums`: batch-size-weighted sums of the step outputs, over `count` samples), plus one gather when a
         max or min was logged, plus torchmetrics' own synchronisation for each logged Metric (every rank computes
         every Metric any rank logged)."""
-        gathered = strategy.gather_objects((list(extra_sums), {n: e.fx for n, e in self.entries.items()},
-                                            dict(self.metrics)))
+        gathered = strategy.gather_objects(
+            (list(extra_sums), {n: e.fx for n, e in self.entries.items()}, dict(self.metrics))
+        )
         names = list(dict.fromkeys(n for ranks, _, _ in gathered for n in ranks))
         logged: dict[str, str] = {}
         metrics: dict[str, str] = {}
@@ -113,13 +119,20 @@ class EvalLog:
         def weight(name: str) -> torch.Tensor:
             return torch.tensor(self.entries[name].weight if name in self.entries else 0.0, device=self.device)
 
-        stacked = torch.stack([*(extra_sums.get(n, zero) for n in names), torch.tensor(float(count), device=self.device),
-                               *(total(n) for n in summed), *(weight(n) for n in summed)])
+        stacked = torch.stack(
+            [
+                *(extra_sums.get(n, zero) for n in names),
+                torch.tensor(float(count), device=self.device),
+                *(total(n) for n in summed),
+                *(weight(n) for n in summed),
+            ]
+        )
         totals = strategy.all_reduce_sum(stacked).tolist()
         samples = totals[len(names)]
-        outputs = {f"{self.stage}/{n}": (v / samples if samples > 0 else math.nan)
-                   for n, v in zip(names, totals[:len(names)])}
-        k, rest = len(summed), totals[len(names) + 1:]
+        outputs = {
+            f"{self.stage}/{n}": (v / samples if samples > 0 else math.nan) for n, v in zip(names, totals[: len(names)])
+        }
+        k, rest = len(summed), totals[len(names) + 1 :]
         values: dict[str, float] = {}
         for name, value, n in zip(summed, rest[:k], rest[k:]):
             values[name] = value if logged[name] == "sum" else (value / n if n > 0 else math.nan)
@@ -143,14 +156,18 @@ def as_tensor(name: str, value: Any) -> Optional[torch.Tensor]:
     """A logged number or one-element tensor as a detached tensor; None for a Metric; else one line."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ConfigError(f"task: self.log({name!r}, <tensor of shape {tuple(value.shape)}>): expected one "
-                              "number (a scalar tensor, a float, or a torchmetrics Metric)")
+            raise ConfigError(
+                f"task: self.log({name!r}, <tensor of shape {tuple(value.shape)}>): expected one "
+                "number (a scalar tensor, a float, or a torchmetrics Metric)"
+            )
         return value.detach()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         if is_metric(value):
             return None
-        raise ConfigError(f"task: self.log({name!r}, <{type(value).__name__}>): expected one number (a scalar "
-                          "tensor, a float, or a torchmetrics Metric)")
+        raise ConfigError(
+            f"task: self.log({name!r}, <{type(value).__name__}>): expected one number (a scalar "
+            "tensor, a float, or a torchmetrics Metric)"
+        )
     return torch.tensor(float(value))
 
 
@@ -198,7 +215,7 @@ class TrainLog:
     def count_losses(self, losses: torch.Tensor) -> None:
         """Add the window's losses not yet counted to the epoch's `train/loss` sum (a mean over batches)."""
         if len(losses) > self.counted:
-            self.add(OWN_LOSS, losses[self.counted:].mean(), len(losses) - self.counted)
+            self.add(OWN_LOSS, losses[self.counted :].mean(), len(losses) - self.counted)
         self.counted = len(losses)
 
     def epoch_values(self) -> dict[str, float]:
@@ -207,17 +224,25 @@ class TrainLog:
         if not names:
             return {}
         sums = torch.stack([self.epoch_sums[n].reshape(()).float() for n in names]).tolist()
-        values = {n: (total if self.epoch_fx.get(n, "mean") != "mean" else total / self.epoch_counts[n])
-                  for n, total in zip(names, sums)}
+        values = {
+            n: (total if self.epoch_fx.get(n, "mean") != "mean" else total / self.epoch_counts[n])
+            for n, total in zip(names, sums)
+        }
         self.epoch_sums.clear()
         self.epoch_counts.clear()
         self.epoch_fx.clear()
         return values
 
     def state_dict(self) -> dict[str, Any]:
-        return {"first_step": self.first_step, "losses": self.tensor(), "counted": self.counted,
-                "epoch_sums": dict(self.epoch_sums), "epoch_counts": dict(self.epoch_counts),
-                "epoch_fx": dict(self.epoch_fx), "epoch_metrics": dict(self.epoch_metrics)}
+        return {
+            "first_step": self.first_step,
+            "losses": self.tensor(),
+            "counted": self.counted,
+            "epoch_sums": dict(self.epoch_sums),
+            "epoch_counts": dict(self.epoch_counts),
+            "epoch_fx": dict(self.epoch_fx),
+            "epoch_metrics": dict(self.epoch_metrics),
+        }
 
     @staticmethod
     def check_state_dict(saved: Any, where: str) -> None:
@@ -242,8 +267,9 @@ class MetricLogger:
     """The one place a run's numbers go through. `metrics` holds the latest value of every metric (the summary's
     and `callback_metrics`); `window` the training values between logging steps (resumable state)."""
 
-    def __init__(self, *, device: torch.device, tensorboard: Any, bar: Any, run_dir: Any, accumulate: int,
-                 steps_per_epoch: int) -> None:
+    def __init__(
+        self, *, device: torch.device, tensorboard: Any, bar: Any, run_dir: Any, accumulate: int, steps_per_epoch: int
+    ) -> None:
         self.device, self.tensorboard, self.bar, self.run_dir = device, tensorboard, bar, run_dir
         self.accumulate, self.steps_per_epoch = accumulate, steps_per_epoch
         self.metrics: dict[str, float] = {}
@@ -277,9 +303,18 @@ class MetricLogger:
         """Trainer.log (callbacks): a scalar for the next logging step (a tensor is read then, with the loss)."""
         self._logged[name] = _whole(value.detach()) if isinstance(value, torch.Tensor) else value
 
-    def task_log(self, name: str, value: Any, *, on_step: Optional[bool] = None, on_epoch: Optional[bool] = None,
-                 prog_bar: bool = False, logger: bool = True, reduce_fx: Any = "mean",
-                 batch_size: Optional[int] = None) -> None:
+    def task_log(
+        self,
+        name: str,
+        value: Any,
+        *,
+        on_step: Optional[bool] = None,
+        on_epoch: Optional[bool] = None,
+        prog_bar: bool = False,
+        logger: bool = True,
+        reduce_fx: Any = "mean",
+        batch_size: Optional[int] = None,
+    ) -> None:
         """Task.log: what each stage does with it is in this module's docstring."""
         fx = check_reduce_fx(name, reduce_fx) if reduce_fx != "mean" else "mean"
         tensor = as_tensor(name, value)
@@ -289,9 +324,11 @@ class MetricLogger:
         if prog_bar:
             self.bar_names.add(name)
         if self.forbidden:
-            raise ConfigError(f"task: self.log({name!r}, ...) in {self.forbidden}: Lightning does not allow it there "
-                              "either; expected it in a step or an epoch hook (on_validation_epoch_end, "
-                              "on_train_epoch_end)")
+            raise ConfigError(
+                f"task: self.log({name!r}, ...) in {self.forbidden}: Lightning does not allow it there "
+                "either; expected it in a step or an epoch hook (on_validation_epoch_end, "
+                "on_train_epoch_end)"
+            )
         if not logger:
             self.hidden.update((name, f"{name}_epoch"))
         weight = batch_size if batch_size is not None else self.batch_n
@@ -351,8 +388,9 @@ class MetricLogger:
         task_values = {k: (v.compute() if not isinstance(v, torch.Tensor) else v) for k, v in self._task_step.items()}
         logged = {name: v for name, v in self._logged.items() if isinstance(v, torch.Tensor)}
         logged.update(task_values)
-        mean, all_finite, *values = torch.stack([losses.mean(), finite.all().float(),
-                                                 *(v.reshape(()).float() for v in logged.values())]).tolist()
+        mean, all_finite, *values = torch.stack(
+            [losses.mean(), finite.all().float(), *(v.reshape(()).float() for v in logged.values())]
+        ).tolist()
         if not all_finite:
             self._not_finite(losses, finite)
         own = {} if "train/loss" in self._task_train_names else {"train/loss": mean}  # the task's own wins
@@ -372,9 +410,11 @@ class MetricLogger:
         first = int((~finite).nonzero()[0])
         bad_step = self.window.first_step + first // self.accumulate + 1
         epoch = (bad_step - 1) // self.steps_per_epoch
-        raise UserError(f"train/loss became {losses[first].item()} at step {bad_step} (epoch {epoch}); "
-                        f"training stopped, and what was already written in {self.run_dir} is kept. "
-                        "Expected a finite loss: try a lower optimizer.lr or set trainer.grad_clip_norm")
+        raise UserError(
+            f"train/loss became {losses[first].item()} at step {bad_step} (epoch {epoch}); "
+            f"training stopped, and what was already written in {self.run_dir} is kept. "
+            "Expected a finite loss: try a lower optimizer.lr or set trainer.grad_clip_norm"
+        )
 
     def end_epoch(self, task: nn.Module, step: int, extras: dict[str, float]) -> dict[str, float]:
         """The epoch's values of train/loss (as train/loss_epoch) and of what the task logged `on_epoch` (one host
@@ -398,23 +438,36 @@ class MetricLogger:
             self.metrics.update(values)
         return values
 
-    def epoch_perf(self, step: int, samples: int, batches: int, seconds: float, data_wait: float,
-                   max_memory_mb: float) -> None:
+    def epoch_perf(
+        self, step: int, samples: int, batches: int, seconds: float, data_wait: float, max_memory_mb: float
+    ) -> None:
         if batches and seconds > 0:
-            self.tensorboard.log_metrics({"perf/samples_per_s": samples / seconds,
-                                          "perf/step_ms": 1000 * seconds / batches,
-                                          "perf/data_wait_frac": data_wait / seconds,
-                                          "perf/max_memory_mb": max_memory_mb}, step)
+            self.tensorboard.log_metrics(
+                {
+                    "perf/samples_per_s": samples / seconds,
+                    "perf/step_ms": 1000 * seconds / batches,
+                    "perf/data_wait_frac": data_wait / seconds,
+                    "perf/max_memory_mb": max_memory_mb,
+                },
+                step,
+            )
         self.tensorboard.flush()
 
-    def report_epoch(self, step: int, train: dict[str, float], val: Optional[dict[str, float]],
-                     samples_per_s: float, eta: Optional[float]) -> None:
+    def report_epoch(
+        self,
+        step: int,
+        train: dict[str, float],
+        val: Optional[dict[str, float]],
+        samples_per_s: float,
+        eta: Optional[float],
+    ) -> None:
         """The epoch's line (piped output) or the bar's closing state (a terminal)."""
         if not self.bar.enabled:
             return
         shown = {**{k: v for k, v in train.items() if k == "train/loss_epoch" or k in self.bar_names}, **(val or {})}
-        self.bar.end_epoch(step, {("train/loss" if k == "train/loss_epoch" else k): v for k, v in shown.items()},
-                           samples_per_s, eta)
+        self.bar.end_epoch(
+            step, {("train/loss" if k == "train/loss_epoch" else k): v for k, v in shown.items()}, samples_per_s, eta
+        )
 
 
 class TaskHandle:
@@ -423,8 +476,17 @@ class TaskHandle:
     for `self.log`, and `should_stop` to end the run as Lightning's `self.trainer.should_stop = True` does. It
     knows the logger, the loop's position and the stop, never the trainer: no reference cycle."""
 
-    def __init__(self, metric_logger: MetricLogger, progress: Any, stop: Any, *, is_global_zero: bool,
-                 world_size: int, max_epochs: int, max_steps: int) -> None:
+    def __init__(
+        self,
+        metric_logger: MetricLogger,
+        progress: Any,
+        stop: Any,
+        *,
+        is_global_zero: bool,
+        world_size: int,
+        max_epochs: int,
+        max_steps: int,
+    ) -> None:
         self._metrics, self._progress, self._stop = metric_logger, progress, stop
         self.is_global_zero, self.world_size = is_global_zero, world_size
         self.max_epochs, self.max_steps = max_epochs, max_steps

@@ -5,6 +5,7 @@ averages them over the epoch weighted by batch size, which is exact for means su
 Stateful metrics: `torchmetrics.Metric` objects (update per batch, compute at epoch end over every rank,
 reset), for what a mean of batch values gets wrong, such as macro-F1 or AUROC.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -18,8 +19,9 @@ from framework.compat import set_update_count
 def is_stateful(metric: Any) -> bool:
     """A torchmetrics.Metric, known by what it does: torchmetrics takes seconds to import, so only a config
     that names one of its metrics pays for it."""
-    return isinstance(metric, nn.Module) and all(callable(getattr(metric, name, None))
-                                                 for name in ("update", "compute", "reset"))
+    return isinstance(metric, nn.Module) and all(
+        callable(getattr(metric, name, None)) for name in ("update", "compute", "reset")
+    )
 
 
 class Accuracy:
@@ -51,8 +53,10 @@ class MeanAbsoluteError:
 def metric_state(metric: Any) -> dict[str, Any]:
     """A torchmetrics Metric's states (tensors, or lists of tensors for `cat` states) and update count, on the
     CPU, as a checkpoint holds them."""
-    states = {name: ([t.detach().cpu() for t in value] if isinstance(value, list) else value.detach().cpu())
-              for name, value in metric.metric_state.items()}
+    states = {
+        name: ([t.detach().cpu() for t in value] if isinstance(value, list) else value.detach().cpu())
+        for name, value in metric.metric_state.items()
+    }
     return {"states": states, "updates": int(metric.update_count)}
 
 

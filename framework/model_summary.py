@@ -1,4 +1,5 @@
 """A torchsummary-style table of a model: each leaf layer's output shape and parameters, for one batch."""
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -21,9 +22,11 @@ def summarize(model: nn.Module, run_batch: Callable[[], Any]) -> str:
     hooks = []
     for name, module in model.named_modules():
         if next(module.children(), None) is None:
+
             def record(mod: nn.Module, _inputs: Any, output: Any, name: str = name) -> None:
                 params = sum(p.numel() for p in mod.parameters(recurse=False))
                 rows.append((name, type(mod).__name__, _shape(output), params))
+
             hooks.append(module.register_forward_hook(record))
     try:
         with torch.no_grad():
@@ -34,8 +37,7 @@ def summarize(model: nn.Module, run_batch: Callable[[], Any]) -> str:
     header = ("layer", "type", "output shape", "params")
     table = [header] + [(n, t, s, f"{p:,}") for n, t, s, p in rows]
     widths = [max(len(r[i]) for r in table) for i in range(4)]
-    lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in table]
+    lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in table]
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     size_mb = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) / 2**20

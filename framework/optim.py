@@ -5,6 +5,7 @@
 frozen ones nowhere. A rule's other keys override optimizer options, or scale the base value (`lr_mult`,
 `decay_mult`). The result is checkable: a table at start and `param_groups.json` in the run directory.
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,7 +30,10 @@ log = logging.getLogger(__name__)
 # Every normalization layer with learnable weights; `modules: [framework.optim.NORM_LAYERS]` in a rule.
 NORM_LAYERS: tuple[type[nn.Module], ...] = (
     nn.modules.batchnorm._NormBase,  # BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm1d/2d/3d
-    nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
 )
 MATCHERS = ("params", "modules", "ndim")
 MULTIPLIERS = {"lr_mult": "lr", "decay_mult": "weight_decay"}
@@ -47,9 +51,11 @@ class Rule:
 
     def matches(self, name: str, param: nn.Parameter, owner: nn.Module) -> bool:
         """Any of the rule's matchers (a name glob, the owning module's type, the tensor's ndim)."""
-        return (any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
-                or (bool(self.module_types) and isinstance(owner, self.module_types))
-                or param.ndim in self.ndims)
+        return (
+            any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+            or (bool(self.module_types) and isinstance(owner, self.module_types))
+            or param.ndim in self.ndims
+        )
 
 
 @dataclass
@@ -102,8 +108,7 @@ def parse_rules(rules: Any, optimizer_options: set[str]) -> list[Rule]:
         if not all(isinstance(n, int) for n in rule.ndims):
             raise ConfigError(f"{key}.ndim={rule.ndims!r}: expected an integer or a list of integers")
         if not (rule.patterns or rule.module_types or rule.ndims):
-            raise ConfigError(f"{key}: rule '{name}' has no matcher; expected at least one of "
-                              f"{', '.join(MATCHERS)}")
+            raise ConfigError(f"{key}: rule '{name}' has no matcher; expected at least one of {', '.join(MATCHERS)}")
         for option, value in raw.items():
             if option in MULTIPLIERS:
                 if MULTIPLIERS[option] in raw:
@@ -114,18 +119,22 @@ def parse_rules(rules: Any, optimizer_options: set[str]) -> list[Rule]:
             elif option in optimizer_options:
                 rule.options[option] = tuple(value) if isinstance(value, list) else value
             else:
-                raise ConfigError(f"{key}.{option}={value!r}: not a matcher ({', '.join(MATCHERS)}), a "
-                                  f"multiplier (lr_mult, decay_mult) or an option of the optimizer "
-                                  f"({', '.join(sorted(optimizer_options))})")
+                raise ConfigError(
+                    f"{key}.{option}={value!r}: not a matcher ({', '.join(MATCHERS)}), a "
+                    f"multiplier (lr_mult, decay_mult) or an option of the optimizer "
+                    f"({', '.join(sorted(optimizer_options))})"
+                )
         parsed.append(rule)
     return parsed
 
 
 def _owners(model: nn.Module) -> dict[str, nn.Module]:
     """Each parameter's name (as in `named_parameters()`) -> the module that directly holds it."""
-    return {f"{prefix}.{name}" if prefix else name: module
-            for prefix, module in model.named_modules()
-            for name, _ in module.named_parameters(recurse=False)}
+    return {
+        f"{prefix}.{name}" if prefix else name: module
+        for prefix, module in model.named_modules()
+        for name, _ in module.named_parameters(recurse=False)
+    }
 
 
 def resolve_groups(model: nn.Module, rules: list[Rule], base: dict[str, Any]) -> tuple[list[Group], list[str]]:
@@ -166,15 +175,26 @@ def build_optimizer(node: DictConfig, model: nn.Module) -> tuple[torch.optim.Opt
     groups, frozen = resolve_groups(model, rules, base)
     if not groups:
         raise ConfigError("model: it has no trainable parameters (every requires_grad is False)")
-    optimizer = factory([{"params": g.params, "name": g.name, "param_names": g.names, **g.options}
-                         for g in groups])
+    optimizer = factory([{"params": g.params, "name": g.name, "param_names": g.names, **g.options} for g in groups])
     return optimizer, frozen
 
 
 # Per-parameter state that torch's optimizers keep in the parameter's own shape (SGD, Adam(W), RMSprop,
 # Adagrad, Adadelta, ASGD, Rprop, NAdam, RAdam, Adamax): a saved one of another shape is not this model's.
-PARAM_SHAPED_STATE = {"momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta",
-                      "sum", "grad_avg", "ax", "prev", "step_size", "exp_inf"}
+PARAM_SHAPED_STATE = {
+    "momentum_buffer",
+    "exp_avg",
+    "exp_avg_sq",
+    "max_exp_avg_sq",
+    "square_avg",
+    "acc_delta",
+    "sum",
+    "grad_avg",
+    "ax",
+    "prev",
+    "step_size",
+    "exp_inf",
+}
 
 
 def check_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimizer, where: str) -> Optional[str]:
@@ -185,10 +205,16 @@ def check_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimize
         if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(entry, dict):
             return f"{where}/state/{index}: no parameter {index} in this run's {len(params)}"
         for name, value in entry.items():
-            if name in PARAM_SHAPED_STATE and isinstance(value, torch.Tensor) and value.dim() > 0 \
-                    and value.shape != params[index].shape:
-                return (f"{where}/state/{index}/{name}: the checkpoint holds shape {tuple(value.shape)}, expected "
-                        f"{tuple(params[index].shape)} as the parameter it is for")
+            if (
+                name in PARAM_SHAPED_STATE
+                and isinstance(value, torch.Tensor)
+                and value.dim() > 0
+                and value.shape != params[index].shape
+            ):
+                return (
+                    f"{where}/state/{index}/{name}: the checkpoint holds shape {tuple(value.shape)}, expected "
+                    f"{tuple(params[index].shape)} as the parameter it is for"
+                )
     return None
 
 
@@ -201,8 +227,12 @@ def changed_options(saved: dict[str, Any], current: DictConfig) -> set[str]:
     return {k for k in set(now) | set(saved) if k not in ("_target_", "param_groups") and now.get(k) != saved.get(k)}
 
 
-def apply_changed_options(optimizer: torch.optim.Optimizer, scheduler: Optional["Scheduler"],
-                          configured: list[dict[str, Any]], changed: set[str]) -> None:
+def apply_changed_options(
+    optimizer: torch.optim.Optimizer,
+    scheduler: Optional["Scheduler"],
+    configured: list[dict[str, Any]],
+    changed: set[str],
+) -> None:
     """After a restore, make the options the config changed take effect: the restored optimizer state would
     otherwise win. `configured` are the groups as this config built them. A new `lr` rescales what the
     schedule has reached (and what it scales from), so the run goes on along the same curve at the new base.
@@ -235,12 +265,21 @@ def describe_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """The resolved groups as written to `param_groups.json`: name, lr, weight_decay, every option, params."""
     described = []
     for group in optimizer.param_groups:
-        options = {k: list(v) if isinstance(v, tuple) else v for k, v in group.items()
-                   if k not in ("params", "param_names", "name", "initial_lr") and _is_plain(v)}
+        options = {
+            k: list(v) if isinstance(v, tuple) else v
+            for k, v in group.items()
+            if k not in ("params", "param_names", "name", "initial_lr") and _is_plain(v)
+        }
         options["lr"] = group.get("initial_lr", group["lr"])  # as configured, before any schedule
-        described.append({"name": group["name"], "lr": options.pop("lr"),
-                          "weight_decay": options.pop("weight_decay", None), **options,
-                          "params": list(group["param_names"])})
+        described.append(
+            {
+                "name": group["name"],
+                "lr": options.pop("lr"),
+                "weight_decay": options.pop("weight_decay", None),
+                **options,
+                "params": list(group["param_names"]),
+            }
+        )
     return described
 
 
@@ -254,13 +293,23 @@ def format_groups(optimizer: torch.optim.Optimizer, frozen: list[str]) -> str:
     for group in optimizer.param_groups:
         names = group["param_names"]
         shown = ", ".join(names[:3]) + (f", ... (+{len(names) - 3})" if len(names) > 3 else "")
-        rows.append((group["name"], str(len(group["params"])), f"{sum(p.numel() for p in group['params']):,}",
-                     f"{group.get('initial_lr', group['lr']):.4g}", f"{group.get('weight_decay', 0):.4g}", shown))
+        rows.append(
+            (
+                group["name"],
+                str(len(group["params"])),
+                f"{sum(p.numel() for p in group['params']):,}",
+                f"{group.get('initial_lr', group['lr']):.4g}",
+                f"{group.get('weight_decay', 0):.4g}",
+                shown,
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
     if frozen:
-        lines.append(f"frozen (not optimized): {len(frozen)} tensors: {', '.join(frozen[:5])}"
-                     + (", ..." if len(frozen) > 5 else ""))
+        lines.append(
+            f"frozen (not optimized): {len(frozen)} tensors: {', '.join(frozen[:5])}"
+            + (", ..." if len(frozen) > 5 else "")
+        )
     return "\n".join(lines)
 
 
@@ -275,8 +324,14 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
     """Linear warmup from 0 over `warmup_steps`, then cosine from each group's lr down to `min_lr` at
     `total_steps` (the schedule of transformers' `get_cosine_schedule_with_warmup`, with a floor)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                 min_lr: float = 0.0, last_epoch: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        warmup_steps: int,
+        total_steps: int,
+        min_lr: float = 0.0,
+        last_epoch: int = -1,
+    ) -> None:
         self.warmup_steps, self.total_steps, self.min_lr = warmup_steps, total_steps, min_lr
         super().__init__(optimizer, last_epoch)
 
@@ -316,8 +371,9 @@ def run_length(interval: str, frequency: int, max_steps: int, max_epochs: int, s
     return epochs // frequency
 
 
-def build_scheduler(node: DictConfig, optimizer: torch.optim.Optimizer, *, max_steps: int, max_epochs: int,
-                    steps_per_epoch: int) -> Optional[Scheduler]:
+def build_scheduler(
+    node: DictConfig, optimizer: torch.optim.Optimizer, *, max_steps: int, max_epochs: int, steps_per_epoch: int
+) -> Optional[Scheduler]:
     """`scheduler._target_: null` means a constant learning rate."""
     if node.get("_target_") is None:
         return None
@@ -327,8 +383,12 @@ def build_scheduler(node: DictConfig, optimizer: torch.optim.Optimizer, *, max_s
     frequency = node.get("frequency", 1)
     if not isinstance(frequency, int) or frequency < 1:
         raise ConfigError(f"scheduler.frequency={frequency!r}: expected an integer >= 1")
-    factory = build(OmegaConf.masked_copy(node, [k for k in node if k not in SCHEDULER_KEYS]), "scheduler",
-                    partial=True, provided=("optimizer",))
+    factory = build(
+        OmegaConf.masked_copy(node, [k for k in node if k not in SCHEDULER_KEYS]),
+        "scheduler",
+        partial=True,
+        provided=("optimizer",),
+    )
     length = run_length(interval, frequency, max_steps, max_epochs, steps_per_epoch)
     filled = {arg: length for arg in LENGTH_ARGS if arg in node and node[arg] is None}
     if "max_lr" in node and node.max_lr is None:  # OneCycleLR: peak at each group's own lr
@@ -341,32 +401,42 @@ def build_scheduler(node: DictConfig, optimizer: torch.optim.Optimizer, *, max_s
 def _warn_if_senseless(node: DictConfig, interval: str, length: int) -> None:
     unit = "optimizer steps" if interval == "step" else "epochs"
     if length < 1:
-        log.warning("scheduler: interval=%s, but the run has no whole %s to schedule over (length 0); "
-                    "the learning rate will not change as planned", interval, unit)
+        log.warning(
+            "scheduler: interval=%s, but the run has no whole %s to schedule over (length 0); "
+            "the learning rate will not change as planned",
+            interval,
+            unit,
+        )
         return
     warmup = node.get("warmup_steps")
     if warmup is not None and warmup >= length:
-        log.warning("scheduler.warmup_steps=%s is not shorter than the run (%d %s): the warmup never ends",
-                    warmup, length, unit)
+        log.warning(
+            "scheduler.warmup_steps=%s is not shorter than the run (%d %s): the warmup never ends", warmup, length, unit
+        )
     step_size = node.get("step_size")
     milestones = node.get("milestones")
     first_milestone = min(milestones) if isinstance(milestones, ListConfig) and len(milestones) else None
     if (isinstance(step_size, int) and step_size >= length) or (
-            isinstance(first_milestone, int) and first_milestone >= length):
-        log.warning("scheduler: the first decay comes after the run ends (%d %s): the learning rate never "
-                    "changes", length, unit)
+        isinstance(first_milestone, int) and first_milestone >= length
+    ):
+        log.warning(
+            "scheduler: the first decay comes after the run ends (%d %s): the learning rate never changes", length, unit
+        )
 
 
-def lr_plan(scheduler: Scheduler, optimizer: torch.optim.Optimizer, steps_per_epoch: int,
-            max_points: int = 1000) -> dict[str, list[tuple[int, float]]]:
+def lr_plan(
+    scheduler: Scheduler, optimizer: torch.optim.Optimizer, steps_per_epoch: int, max_points: int = 1000
+) -> dict[str, list[tuple[int, float]]]:
     """The planned LR of each group over the run, x in optimizer steps, computed on a throw-away optimizer
     with the same groups so the real one is untouched. Empty for metric-driven schedulers."""
     if scheduler.monitor is not None:
         return {}
     # Start from each group's configured lr: constructing the real scheduler may already have changed it.
-    dummy_groups = [{k: copy.deepcopy(v) for k, v in g.items() if k not in ("params", "initial_lr")}
-                    | {"params": [torch.zeros(1, requires_grad=True)], "lr": g.get("initial_lr", g["lr"])}
-                    for g in optimizer.param_groups]
+    dummy_groups = [
+        {k: copy.deepcopy(v) for k, v in g.items() if k not in ("params", "initial_lr")}
+        | {"params": [torch.zeros(1, requires_grad=True)], "lr": g.get("initial_lr", g["lr"])}
+        for g in optimizer.param_groups
+    ]
     dummy = type(optimizer)(dummy_groups)
     sched = scheduler.factory(dummy)
     names = group_names(dummy)
@@ -383,7 +453,9 @@ def lr_plan(scheduler: Scheduler, optimizer: torch.optim.Optimizer, steps_per_ep
                 try:
                     sched.step()
                 except Exception as err:  # noqa: BLE001  (a value the class accepts but cannot step with)
-                    raise ConfigError(f"scheduler: {type(sched).__name__} fails at its step {i + 1} of this run "
-                                      f"({type(err).__name__}: {err}); expected values it can step with "
-                                      "(e.g. step_size >= 1)") from None
+                    raise ConfigError(
+                        f"scheduler: {type(sched).__name__} fails at its step {i + 1} of this run "
+                        f"({type(err).__name__}: {err}); expected values it can step with "
+                        "(e.g. step_size >= 1)"
+                    ) from None
     return plan

@@ -9,6 +9,7 @@ model's parameters become DTensors (each rank keeps its shard); `sharded` tells 
 rank writes its own shards, and `collective_forward` tells the trainer that a forward pass gathers weights
 from every rank, so every rank must run the same number of them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -131,14 +132,22 @@ class DDPStrategy(Strategy):
         if not dist.is_initialized():
             backend = parallel_cfg.backend or ("nccl" if self.device.type == "cuda" else "gloo")
             timeout = datetime.timedelta(seconds=parallel_cfg.timeout_s)
-            dist.init_process_group(backend, timeout=timeout, rank=self.rank, world_size=self.world_size,
-                                    store=_elastic_attempt_store(timeout, self.world_size))
+            dist.init_process_group(
+                backend,
+                timeout=timeout,
+                rank=self.rank,
+                world_size=self.world_size,
+                store=_elastic_attempt_store(timeout, self.world_size),
+            )
 
     def wrap(self, model: nn.Module, param_dtype: Optional[torch.dtype] = None) -> nn.Module:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids,
-                                                   find_unused_parameters=self.find_unused_parameters,
-                                                   static_graph=self.static_graph)
+        return nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=device_ids,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
+        )
 
     def no_sync(self, model: nn.Module) -> Optional[Callable[[], ContextManager[Any]]]:
         # DDP all-reduces in backward; under no_sync it only accumulates, and the next synced backward reduces
@@ -202,21 +211,38 @@ class FSDPStrategy(DDPStrategy):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         if param_dtype is torch.float16:  # precision=amp on a GPU without bf16 (config.validate refuses fp16 itself)
-            raise ConfigError("precision.mode=amp: this device has no bf16, so amp means fp16 with a GradScaler, "
-                              "which does not see gradients sharded over ranks; expected precision=fp32 with "
-                              "parallel=fsdp on this device")
+            raise ConfigError(
+                "precision.mode=amp: this device has no bf16, so amp means fp16 with a GradScaler, "
+                "which does not see gradients sharded over ranks; expected precision=fp32 with "
+                "parallel=fsdp on this device"
+            )
         # bf16: weights gathered and computed in bf16, gradients reduced in fp32 into fp32 master shards.
-        precision = MixedPrecisionPolicy(param_dtype=param_dtype,
-                                         reduce_dtype=torch.float32 if param_dtype is not None else None)
+        precision = MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype is not None else None
+        )
         offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.cpu_offload else OffloadPolicy()
         units = shard_units(model, self.shard_types)
         for unit in units:  # innermost first: a unit's parameters are those no unit inside it took
-            fully_shard(unit, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward,
-                        mp_policy=precision, offload_policy=offload)
-        fully_shard(model, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=precision,
-                    offload_policy=offload)
-        log.info("parallel=fsdp: %d shard unit%s and the root, over %d processes", len(units),
-                 "" if len(units) == 1 else "s", self.world_size)
+            fully_shard(
+                unit,
+                mesh=self.mesh,
+                reshard_after_forward=self.reshard_after_forward,
+                mp_policy=precision,
+                offload_policy=offload,
+            )
+        fully_shard(
+            model,
+            mesh=self.mesh,
+            reshard_after_forward=self.reshard_after_forward,
+            mp_policy=precision,
+            offload_policy=offload,
+        )
+        log.info(
+            "parallel=fsdp: %d shard unit%s and the root, over %d processes",
+            len(units),
+            "" if len(units) == 1 else "s",
+            self.world_size,
+        )
         return model
 
     def no_sync(self, model: nn.Module) -> Optional[Callable[[], ContextManager[Any]]]:
@@ -253,21 +279,25 @@ def shard_units(model: nn.Module, types: Optional[tuple[type, ...]]) -> list[nn.
     children with parameters, looking inside containers (a ModuleList has no forward to gather weights in);
     otherwise every module of those classes (an empty tuple: none, the root alone)."""
     if types is None:
+
         def blocks(module: nn.Module) -> Iterator[nn.Module]:
             for child in module.children():
                 if isinstance(child, _CONTAINERS):
                     yield from blocks(child)
                 elif any(True for _ in child.parameters()):
                     yield child
+
         return list(blocks(model))
     if not types:
         return []
     units = [m for m in reversed(list(model.modules())) if m is not model and isinstance(m, types)]
     if not units:
         used = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()})
-        raise ConfigError(f"parallel.shard_modules={[t.__qualname__ for t in types]}: the model has no module of "
-                          f"these classes; expected some of the classes it uses ({', '.join(used[:6])}"
-                          f"{', ...' if len(used) > 6 else ''}), null for its blocks, or [] for the root only")
+        raise ConfigError(
+            f"parallel.shard_modules={[t.__qualname__ for t in types]}: the model has no module of "
+            f"these classes; expected some of the classes it uses ({', '.join(used[:6])}"
+            f"{', ...' if len(used) > 6 else ''}), null for its blocks, or [] for the root only"
+        )
     return units
 
 
@@ -280,12 +310,16 @@ def _module_classes(names: Any) -> Optional[tuple[type, ...]]:
         try:
             cls = import_object(str(name))
         except Exception as err:  # ImportError or ValueError from Hydra's locator; the cause says what is missing
-            raise ConfigError(f"parallel.shard_modules[{i}]={name!r} cannot be imported: "
-                              f"{error_line(err.__cause__ or err)}; expected the dotted path of an nn.Module class, "
-                              "e.g. torch.nn.TransformerEncoderLayer") from None
+            raise ConfigError(
+                f"parallel.shard_modules[{i}]={name!r} cannot be imported: "
+                f"{error_line(err.__cause__ or err)}; expected the dotted path of an nn.Module class, "
+                "e.g. torch.nn.TransformerEncoderLayer"
+            ) from None
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise ConfigError(f"parallel.shard_modules[{i}]={name!r}: not an nn.Module class; expected one such as "
-                              "torch.nn.TransformerEncoderLayer")
+            raise ConfigError(
+                f"parallel.shard_modules[{i}]={name!r}: not an nn.Module class; expected one such as "
+                "torch.nn.TransformerEncoderLayer"
+            )
         found.append(cls)
     return tuple(found)
 
@@ -304,8 +338,9 @@ def _elastic_attempt_store(timeout: datetime.timedelta, world_size: int) -> Opti
         return None
     import torch.distributed as dist
 
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
     return dist.PrefixStore(f"framework/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
@@ -313,13 +348,14 @@ def build_strategy(parallel_cfg: Any, device: str) -> Strategy:
     if parallel_cfg.strategy in ("ddp", "fsdp"):
         name = getattr(parallel_cfg.strategy, "value", parallel_cfg.strategy)
         if not under_launcher():
-            raise RuntimeError(f"parallel={name} needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: start it "
-                               f"with `python run.py parallel={name}` (which spawns the workers) or torchrun")
+            raise RuntimeError(
+                f"parallel={name} needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: start it "
+                f"with `python run.py parallel={name}` (which spawns the workers) or torchrun"
+            )
         return (FSDPStrategy if name == "fsdp" else DDPStrategy)(parallel_cfg, device)
     chosen = pick_device(device)
     if parallel_cfg.strategy == "dp":
         if chosen.type == "cuda" and torch.cuda.device_count() >= 2:
             return DataParallelStrategy(torch.device("cuda", 0))
-        log.info("parallel=dp needs at least two GPUs; %d visible, so running as single",
-                 torch.cuda.device_count())
+        log.info("parallel=dp needs at least two GPUs; %d visible, so running as single", torch.cuda.device_count())
     return Strategy(chosen)

@@ -3,6 +3,7 @@
 The optimizer step follows the GradScaler's required order: unscale -> clip -> step -> update, so that
 clipping sees true gradients and a step with inf/NaN gradients is skipped (and reported as skipped).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,9 +43,14 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter],
-             clip_norm: Optional[float], clip_value: Optional[float],
-             before_step: Optional[Callable[[], None]] = None) -> bool:
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Iterable[torch.nn.Parameter],
+        clip_norm: Optional[float],
+        clip_value: Optional[float],
+        before_step: Optional[Callable[[], None]] = None,
+    ) -> bool:
         """Clip and step; returns False when the GradScaler skipped the step (inf/NaN gradients).
         `before_step` runs where the gradients are true ones: after unscaling, before clipping."""
         if self.scaler is not None:
@@ -66,8 +72,10 @@ class Precision:
         return stepped
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scaler": self.scaler.state_dict() if self.scaler is not None else {},
-                "skipped_steps": self.skipped_steps}
+        return {
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and state.get("scaler"):

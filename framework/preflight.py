@@ -6,6 +6,7 @@ It runs on a throw-away copy of the task sharing the plain module (the task's me
 see it: unlike Lightning's sanity check, a MaxMetric kept for a best-so-far cannot see a training batch), in eval
 mode, without grad, and with the RNG state put back, so training starts exactly as it would without it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -66,9 +67,12 @@ def check_first_batches(task: Task, model_attr: str, evaluator: Evaluator, monit
         shadow = throwaway_copy(task, plain, handle)
     except Exception as err:  # noqa: BLE001  (a task holding a lock or a file: checked in place)
         if strategy.is_rank_zero:
-            log.warning("The task cannot be copied for the check of its first batches (%s: %s): it is checked in "
-                        "place; its metrics and buffers are put back after, its other attributes may keep a trace",
-                        type(err).__name__, err)
+            log.warning(
+                "The task cannot be copied for the check of its first batches (%s: %s): it is checked in "
+                "place; its metrics and buffers are put back after, its other attributes may keep a trace",
+                type(err).__name__,
+                err,
+            )
         shadow, task.trainer, kept = task, handle, TaskState(task, model_attr, strategy)
         saved = kept.local(hooks=False)
     shadow.eval()
@@ -85,8 +89,9 @@ def check_first_batches(task: Task, model_attr: str, evaluator: Evaluator, monit
                         shadow.epoch_metrics("val")  # synchronised over the ranks, as theirs
                 continue
             with torch.no_grad(), evaluator.precision.autocast():
-                out = shadow.check_batch(move_to(batch, evaluator.device), split, input_shape=data.input_shape,
-                                         num_classes=data.num_classes)
+                out = shadow.check_batch(
+                    move_to(batch, evaluator.device), split, input_shape=data.input_shape, num_classes=data.num_classes
+                )
             if split == "val":
                 names = _val_names(out, shadow, handle.names)
                 _check_monitors(task, monitors, names)
@@ -101,8 +106,12 @@ def check_first_batches(task: Task, model_attr: str, evaluator: Evaluator, monit
 
 
 def _val_names(out: Optional[StepOutput], shadow: Task, logged: list[str]) -> list[str]:
-    names = [*(["val/loss"] if out is not None else []), *(f"val/{n}" for n in (out.metrics if out else {})),
-             *logged, *(f"val/{name}" for name in shadow.epoch_metrics("val"))]
+    names = [
+        *(["val/loss"] if out is not None else []),
+        *(f"val/{n}" for n in (out.metrics if out else {})),
+        *logged,
+        *(f"val/{name}" for name in shadow.epoch_metrics("val")),
+    ]
     return list(dict.fromkeys(names))
 
 

@@ -7,6 +7,7 @@
   `every_s` seconds in between.
 Either way the epoch lines go to run.log too (`file_only` for a terminal, where the bar already shows them).
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,8 +59,9 @@ class ProgressBar:
             from tqdm import tqdm
 
             self.close()
-            self.bar = tqdm(total=total, initial=initial, desc=self._epoch_name(), dynamic_ncols=True, leave=True,
-                            file=sys.stderr)
+            self.bar = tqdm(
+                total=total, initial=initial, desc=self._epoch_name(), dynamic_ncols=True, leave=True, file=sys.stderr
+            )
 
     def _epoch_name(self) -> str:
         return f"epoch {self.epoch}" + (f"/{self.max_epochs - 1}" if self.max_epochs > 0 else "")
@@ -83,8 +85,7 @@ class ProgressBar:
         if self.bar is not None:
             self.bar.set_postfix({_short(k): f"{v:.4g}" for k, v in self.shown.items()}, refresh=False)
 
-    def end_epoch(self, step: int, metrics: Mapping[str, float], samples_per_s: float,
-                  eta_s: Optional[float]) -> None:
+    def end_epoch(self, step: int, metrics: Mapping[str, float], samples_per_s: float, eta_s: Optional[float]) -> None:
         """The epoch's line: its metrics (train means, validation), speed and the time left."""
         if not self.enabled:
             return
@@ -92,8 +93,10 @@ class ProgressBar:
         eta = f"ETA {_duration(eta_s)}" if eta_s is not None else ""
         line = "  ".join(part for part in (f"{self._epoch_name()}  step {step}", _metrics(metrics), rate, eta) if part)
         if self.bar is not None:
-            self.bar.set_postfix({**{_short(k): f"{v:.4g}" for k, v in metrics.items()}, "samples/s": f"{samples_per_s:,.0f}"},
-                                 refresh=True)
+            self.bar.set_postfix(
+                {**{_short(k): f"{v:.4g}" for k, v in metrics.items()}, "samples/s": f"{samples_per_s:,.0f}"},
+                refresh=True,
+            )
             self.close()
             file_only(line)
         else:

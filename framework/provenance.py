@@ -6,6 +6,7 @@ A resumed run keeps the original record and gets its own beside it: provenance-r
 git-resumed-<time>.diff). Git is asked with a short timeout; no git binary, no checkout or a slow repository
 gives nulls, never an error.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -34,8 +35,9 @@ def _git(cwd: Path, *args: str) -> Optional[bytes]:
     """git's stdout, or None where git is missing, fails, or takes longer than GIT_TIMEOUT_S."""
     env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0"}  # read-only, never prompts
     try:
-        proc = subprocess.run(["git", *args], cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True,
-                              timeout=GIT_TIMEOUT_S, env=env)
+        proc = subprocess.run(
+            ["git", *args], cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, timeout=GIT_TIMEOUT_S, env=env
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return proc.stdout if proc.returncode == 0 else None
@@ -64,8 +66,14 @@ def versions() -> dict[str, Optional[str]]:
     except metadata.PackageNotFoundError:  # run from a checkout that was never installed: the commit says it
         framework_version = None
     cudnn = torch.backends.cudnn.version() if torch.cuda.is_available() else None
-    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "cudnn": str(cudnn) if cudnn else None, "hydra": hydra.__version__, "framework": framework_version}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": str(cudnn) if cudnn else None,
+        "hydra": hydra.__version__,
+        "framework": framework_version,
+    }
 
 
 def devices() -> list[str]:
@@ -118,8 +126,9 @@ class BackgroundWrite:
     the run."""
 
     def __init__(self, run_dir: Path, cwd: Path, overrides: Sequence[str]) -> None:
-        self._thread = threading.Thread(target=self._write, args=(run_dir, cwd, list(overrides)),
-                                        name="provenance", daemon=True)
+        self._thread = threading.Thread(
+            target=self._write, args=(run_dir, cwd, list(overrides)), name="provenance", daemon=True
+        )
         self._thread.start()
 
     @staticmethod

@@ -1,6 +1,7 @@
 """Restoring a checkpoint into a built run: every registered part checked against this run before any is loaded
 (a checkpoint that does not fit leaves nothing half-restored), then loaded; the checks of the parts whose saved
 form depends on the run (optimizer, precision, callbacks) live here too."""
+
 from __future__ import annotations
 
 import logging
@@ -18,16 +19,26 @@ from framework.state import TrainingState
 log = logging.getLogger(__name__)
 
 
-def restore(checkpoint: Checkpoint, cfg: DictConfig, state: TrainingState, *, module: Any, strategy: Any,
-            optimizer: Any, scheduler: Any) -> Any:
+def restore(
+    checkpoint: Checkpoint,
+    cfg: DictConfig,
+    state: TrainingState,
+    *,
+    module: Any,
+    strategy: Any,
+    optimizer: Any,
+    scheduler: Any,
+) -> Any:
     """Load `checkpoint` into the run; returns the task's saved part, which the trainer loads once the task's start
     hooks ran (a reset there, as lightning-hydra-template does, must not undo the resume)."""
     where = f"resume={str(checkpoint.path)!r}"
     if strategy.sharded and not checkpoint.sharded:
-        raise ConfigError(f"{where}: a checkpoint of a run without parallel=fsdp (its weights and state whole) cannot "
-                          "be resumed with parallel=fsdp; expected "
-                          f"parallel={checkpoint.meta['config'].get('parallel', {}).get('strategy', 'single')}, "
-                          "or init_from= for its weights alone")
+        raise ConfigError(
+            f"{where}: a checkpoint of a run without parallel=fsdp (its weights and state whole) cannot "
+            "be resumed with parallel=fsdp; expected "
+            f"parallel={checkpoint.meta['config'].get('parallel', {}).get('strategy', 'single')}, "
+            "or init_from= for its weights alone"
+        )
     # A sharded checkpoint is read for this run's ranks: each gets its own part of every sharded tensor.
     weights = checkpoint.model_state(strategy.mesh)
     check_compatible(module, weights, where, strict=True)
@@ -43,12 +54,21 @@ def restore(checkpoint: Checkpoint, cfg: DictConfig, state: TrainingState, *, mo
     if not same_schedule:  # the new schedule starts here, from its start
         for group, fresh in zip(optimizer.param_groups, configured):
             group.update({k: fresh[k] for k in ("lr", "initial_lr") if k in fresh})
-    apply_changed_options(optimizer, scheduler if same_schedule else None, configured,
-                          changed_options(saved_cfg.get("optimizer") or {}, cfg.optimizer))
+    apply_changed_options(
+        optimizer,
+        scheduler if same_schedule else None,
+        configured,
+        changed_options(saved_cfg.get("optimizer") or {}, cfg.optimizer),
+    )
     saved_ranks = checkpoint.meta.get("world_size", 1)
     if checkpoint.sharded and saved_ranks != strategy.world_size and strategy.is_rank_zero:
-        log.warning("resume: %s was saved by %d processes and is resharded over %d; the data order differs "
-                    "from the saved run's from here on", checkpoint.path, saved_ranks, strategy.world_size)
+        log.warning(
+            "resume: %s was saved by %d processes and is resharded over %d; the data order differs "
+            "from the saved run's from here on",
+            checkpoint.path,
+            saved_ranks,
+            strategy.world_size,
+        )
     return saved.get("task")
 
 
@@ -58,6 +78,7 @@ def optimizer_check(optimizer: Any) -> Callable[[Any, str], None]:
         problem = check_optimizer_state(saved, optimizer, where)
         if problem is not None:
             raise DamagedCheckpoint(problem)
+
     return check
 
 
@@ -67,6 +88,7 @@ def precision_check(precision: Any) -> Callable[[Any, str], None]:
         if isinstance(saved, dict) and not saved.get("scaler"):  # saved without a GradScaler (precision changed)
             live = {**live, "scaler": {}}
         validate_state(saved, live, where)
+
     return check
 
 
@@ -81,6 +103,7 @@ def callbacks_check(callbacks: CallbackList) -> Callable[[Any, str], None]:
         for name in saved:
             if name not in callbacks.callbacks and saved[name]:
                 log.warning("resume: %s/%s is not configured in this run; its saved state is not used", where, name)
+
     return check
 
 
@@ -109,7 +132,9 @@ def load_test_weights(cfg: DictConfig, checkpoints: Any, strategy: Any, module: 
         return f"best (step {checkpoint.step})"
     if choice == "best":
         if strategy.is_rank_zero:
-            log.warning("trainer.test_ckpt=best: no best checkpoint in this run directory (no validation ran, or the "
-                        "best is in the run this one was resumed from): testing the final weights")
+            log.warning(
+                "trainer.test_ckpt=best: no best checkpoint in this run directory (no validation ran, or the "
+                "best is in the run this one was resumed from): testing the final weights"
+            )
         return "last (no best checkpoint was saved)"
     return "last"

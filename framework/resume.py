@@ -19,6 +19,7 @@ A saved config is data, not code: it may only build `_target_`s that the user's 
 trees the run is composed from, the framework's included; this command line; the framework's package and the
 project's, i.e. the packages under the current directory), unless `trust_saved_config=true`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,8 +42,12 @@ log = logging.getLogger(__name__)
 
 AUTO = "auto"
 # Groups whose option the checkpoint's state belongs to: another option cannot carry that state over.
-STATE_GROUPS = {"model": "its weights", "optimizer": "its optimizer state", "data": "its position in the data",
-                "experiment": "a preset sets many groups at once"}
+STATE_GROUPS = {
+    "model": "its weights",
+    "optimizer": "its optimizer state",
+    "data": "its position in the data",
+    "experiment": "a preset sets many groups at once",
+}
 _NOT_FROM_SAVED = ("resume", "init_from", "trust_saved_config")  # this invocation's own, never the saved run's
 _META_MAX_BYTES = 64 * 2**20
 
@@ -52,7 +57,9 @@ def _is_checkpoint(path: Path) -> bool:
 
 
 def _is_run_dir(path: Path) -> bool:
-    return path.is_dir() and not _is_checkpoint(path) and ((path / "checkpoints").is_dir() or (path / ".hydra").is_dir())
+    return (
+        path.is_dir() and not _is_checkpoint(path) and ((path / "checkpoints").is_dir() or (path / ".hydra").is_dir())
+    )
 
 
 def holds_run(path: Path) -> bool:
@@ -155,28 +162,38 @@ def find_checkpoint(resume: Optional[str], run_dir: Path) -> Optional[Any]:
         return found
     path = Path(resume)
     if not path.is_dir():
-        raise ConfigError(f"resume={resume!r}: {'not a directory' if path.exists() else 'no such directory'}; "
-                          "expected a run directory, a checkpoint directory (with meta.json) or 'auto'")
+        raise ConfigError(
+            f"resume={resume!r}: {'not a directory' if path.exists() else 'no such directory'}; "
+            "expected a run directory, a checkpoint directory (with meta.json) or 'auto'"
+        )
     if _is_checkpoint(path):
         try:
             return open_checkpoint(path)
         except DamagedCheckpoint as err:
             raise ConfigError(f"resume={resume!r}: {err}") from None
     if not _is_run_dir(path):
-        raise ConfigError(f"resume={resume!r}: neither a run directory (it has no .hydra/ nor checkpoints/) nor a "
-                          "checkpoint directory (no meta.json); expected one of those, or 'auto'")
+        raise ConfigError(
+            f"resume={resume!r}: neither a run directory (it has no .hydra/ nor checkpoints/) nor a "
+            "checkpoint directory (no meta.json); expected one of those, or 'auto'"
+        )
     found = find_latest(path)
     if found is not None:
         return found
     if not never_saved(path):
-        raise ConfigError(f"resume={resume!r}: no intact checkpoint under {path / 'checkpoints'} (each is named "
-                          "above, with what is wrong with it); expected a run with a checkpoint this version can "
-                          "restore")
+        raise ConfigError(
+            f"resume={resume!r}: no intact checkpoint under {path / 'checkpoints'} (each is named "
+            "above, with what is wrong with it); expected a run with a checkpoint this version can "
+            "restore"
+        )
     if finished_unsaved(path):
-        raise ConfigError(f"resume={resume!r}: the run finished without saving a checkpoint (checkpoint.save_last="
-                          "false), so nothing of it can be continued; expected a new run in another directory")
-    log.info("resume=%s: the run saved no checkpoint before it stopped; starting it again from step 0 with its "
-             "saved config", resume)
+        raise ConfigError(
+            f"resume={resume!r}: the run finished without saving a checkpoint (checkpoint.save_last="
+            "false), so nothing of it can be continued; expected a new run in another directory"
+        )
+    log.info(
+        "resume=%s: the run saved no checkpoint before it stopped; starting it again from step 0 with its saved config",
+        resume,
+    )
     return None
 
 
@@ -199,13 +216,17 @@ def find_weights(init_from: str) -> str:
             raise ConfigError(f"{where}: {err}") from None
         return init_from
     if not _is_run_dir(path):
-        raise ConfigError(f"{where}: a directory that is neither a checkpoint (no meta.json) nor a run directory "
-                          f"(no .hydra/ nor checkpoints/); {expected}")
+        raise ConfigError(
+            f"{where}: a directory that is neither a checkpoint (no meta.json) nor a run directory "
+            f"(no .hydra/ nor checkpoints/); {expected}"
+        )
     found = find_latest(path)
     if found is None:
-        raise ConfigError(f"{where}: a run directory with no intact checkpoint under {path / 'checkpoints'}; "
-                          "expected a run that saved one, a checkpoint directory, a .safetensors file or a "
-                          "torch.save state dict")
+        raise ConfigError(
+            f"{where}: a run directory with no intact checkpoint under {path / 'checkpoints'}; "
+            "expected a run that saved one, a checkpoint directory, a .safetensors file or a "
+            "torch.save state dict"
+        )
     log.info("init_from=%s: its newest intact checkpoint, %s (step %d)", init_from, found.path, found.step)
     return str(found.path)
 
@@ -221,8 +242,10 @@ def fall_back(resume: Optional[str], failed: Any, err: Exception) -> Any:
     log.warning("Skipping a damaged checkpoint: %s", err)
     older = find_latest(failed.path.parent.parent, below_step=failed.step)
     if older is None:
-        raise ConfigError(f"resume={resume!r}: no intact checkpoint left before step {failed.step} ({err}); "
-                          "expected a run with a checkpoint this version can restore") from None
+        raise ConfigError(
+            f"resume={resume!r}: no intact checkpoint left before step {failed.step} ({err}); "
+            "expected a run with a checkpoint this version can restore"
+        ) from None
     return older
 
 
@@ -296,8 +319,9 @@ def _primary_groups(conf_dirs: list[Path], config_name: str, seen: Optional[set[
     """Groups named in the primary config's defaults list, or in that of a config it starts from (`htf`): only
     those can be overridden without `+`. The first tree that has a config wins, as in Hydra's search path."""
     seen = seen if seen is not None else set()
-    path = next((folder / f"{config_name}.yaml" for folder in conf_dirs if (folder / f"{config_name}.yaml").is_file()),
-                None)
+    path = next(
+        (folder / f"{config_name}.yaml" for folder in conf_dirs if (folder / f"{config_name}.yaml").is_file()), None
+    )
     if path is None or config_name in seen:
         return set()
     seen.add(config_name)
@@ -338,10 +362,17 @@ def argv_with_saved_choices(argv: list[str], conf_dirs: list[Path], config_name:
         return argv
     given = {_override_key(a) for a in overrides}
     groups = _primary_groups(conf_dirs, config_name)
-    added = [f"{group}={option}" for group, option in choices.items()
-             if isinstance(group, str) and isinstance(option, str) and group in groups and group not in given
-             and not group.startswith("hydra") and option.replace("_", "").replace("-", "").isalnum()
-             and any((folder / group / f"{option}.yaml").is_file() for folder in conf_dirs)]
+    added = [
+        f"{group}={option}"
+        for group, option in choices.items()
+        if isinstance(group, str)
+        and isinstance(option, str)
+        and group in groups
+        and group not in given
+        and not group.startswith("hydra")
+        and option.replace("_", "").replace("-", "").isalnum()
+        and any((folder / group / f"{option}.yaml").is_file() for folder in conf_dirs)
+    ]
     return [argv[0], *args, *added]
 
 
@@ -410,6 +441,7 @@ class SavedRun:
     """What a resumed run's config starts from: a checkpoint's saved config (`state`: it brings the run's
     training state, which no other model, optimizer or data option, seed or init_from can take), or the config
     Hydra saved for a run killed before its first checkpoint, which starts again from step 0."""
+
     resume: str  # the resume= value that names it, for messages
     source: Path  # the checkpoint, or the run's .hydra/config.yaml
     config: dict[str, Any]  # what is merged: a checkpoint's values as data, or Hydra's config as composed
@@ -425,8 +457,10 @@ def saved_run(resume: Optional[str], checkpoint: Any) -> Optional[SavedRun]:
         where = f"resume={str(checkpoint.path)!r}"
         saved = checkpoint.meta.get("config")
         if not isinstance(saved, dict) or not all(isinstance(k, str) for k in saved):
-            raise ConfigError(f"{where}: the checkpoint's saved config is not a mapping of keys; expected the "
-                              "config written by this framework")
+            raise ConfigError(
+                f"{where}: the checkpoint's saved config is not a mapping of keys; expected the "
+                "config written by this framework"
+            )
         return SavedRun(str(checkpoint.path), checkpoint.path, as_data(saved), saved, saved_choices(checkpoint), True)
     if not resume or resume == AUTO or not _is_run_dir(Path(resume)):
         return None
@@ -437,12 +471,16 @@ def saved_run(resume: Optional[str], checkpoint: Any) -> Optional[SavedRun]:
             raise ValueError("not a regular file of sane size")
         config: Any = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     except Exception as err:  # noqa: BLE001  (missing, unreadable, not YAML)
-        raise ConfigError(f"resume={resume!r}: the run saved no checkpoint, and the config Hydra saved for it "
-                          f"({path}) cannot be read ({str(err).splitlines()[0] if str(err) else type(err).__name__}); "
-                          "expected the run's .hydra/config.yaml, or a new run in another directory") from None
+        raise ConfigError(
+            f"resume={resume!r}: the run saved no checkpoint, and the config Hydra saved for it "
+            f"({path}) cannot be read ({str(err).splitlines()[0] if str(err) else type(err).__name__}); "
+            "expected the run's .hydra/config.yaml, or a new run in another directory"
+        ) from None
     if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
-        raise ConfigError(f"resume={resume!r}: {path} is not a mapping of keys; expected the config Hydra saved "
-                          "for the run, or a new run in another directory")
+        raise ConfigError(
+            f"resume={resume!r}: {path} is not a mapping of keys; expected the config Hydra saved "
+            "for the run, or a new run in another directory"
+        )
     try:  # its `${...}` resolved as in this job (the same run directory), only to list what changes
         values: Any = OmegaConf.to_container(OmegaConf.create(config), resolve=True, enum_to_str=True)
     except Exception:  # noqa: BLE001  (an unresolvable value is reported by the app's own check)
@@ -450,8 +488,9 @@ def saved_run(resume: Optional[str], checkpoint: Any) -> Optional[SavedRun]:
     return SavedRun(resume, path, config, values, _hydra_choices(Path(resume)), False)
 
 
-def resumed_config(fresh: DictConfig, saved: SavedRun, choices: dict[str, Optional[str]],
-                   task_overrides: list[str]) -> tuple[DictConfig, dict[str, Optional[str]]]:
+def resumed_config(
+    fresh: DictConfig, saved: SavedRun, choices: dict[str, Optional[str]], task_overrides: list[str]
+) -> tuple[DictConfig, dict[str, Optional[str]]]:
     """The saved run's config, with this command line's overrides (`task_overrides`) applied on top, and the
     group choices it stands for.
 
@@ -463,18 +502,26 @@ def resumed_config(fresh: DictConfig, saved: SavedRun, choices: dict[str, Option
     rechosen = _rechosen(saved, overrides, choices)
     if saved.state:
         given = {override.key_or_group for override in overrides}
-        for key, why in (("seed", "its random streams and data order are restored from the checkpoint"),
-                         ("init_from", "its weights come from the checkpoint")):
+        for key, why in (
+            ("seed", "its random streams and data order are restored from the checkpoint"),
+            ("init_from", "its weights come from the checkpoint"),
+        ):
             if key in given and fresh.get(key) != (None if key == "init_from" else saved.config.get(key)):
-                raise ConfigError(f"{key}={fresh.get(key)}: a resumed run cannot take it ({why}); expected no "
-                                  f"{key}= with resume= (start a new run for that)")
+                raise ConfigError(
+                    f"{key}={fresh.get(key)}: a resumed run cannot take it ({why}); expected no "
+                    f"{key}= with resume= (start a new run for that)"
+                )
     # A run that never saved has no weights of its own: its init_from is its config's, like any other key.
     own = _NOT_FROM_SAVED if saved.state else tuple(k for k in _NOT_FROM_SAVED if k != "init_from")
     merged = _merged(fresh, saved, rechosen, own)
     for override in overrides:
         key = override.key_or_group
-        if key in choices or key.startswith("hydra") or key in own \
-                or any(key.startswith(group + ".") for group in rechosen):
+        if (
+            key in choices
+            or key.startswith("hydra")
+            or key in own
+            or any(key.startswith(group + ".") for group in rechosen)
+        ):
             continue
         if override.is_delete():
             _delete(merged, key)
@@ -484,8 +531,10 @@ def resumed_config(fresh: DictConfig, saved: SavedRun, choices: dict[str, Option
         old_target = (saved.config.get(group) or {}).get("_target_")
         new_target = OmegaConf.select(merged, f"{group}._target_")
         if old_target != new_target:
-            raise ConfigError(f"{group}._target_={new_target!r}: the run used {old_target!r}, and "
-                              f"{STATE_GROUPS[group]} cannot carry over on resume; expected {old_target!r}")
+            raise ConfigError(
+                f"{group}._target_={new_target!r}: the run used {old_target!r}, and "
+                f"{STATE_GROUPS[group]} cannot carry over on resume; expected {old_target!r}"
+            )
     _report_changes(saved.values, merged, rechosen, saved.choices, choices)
     kept = {group: option for group, option in saved.choices.items() if group not in rechosen}
     return merged, {**choices, **kept}
@@ -503,9 +552,11 @@ def _rechosen(saved: SavedRun, overrides: list[Any], choices: dict[str, Optional
         if old == new:
             continue
         if group in STATE_GROUPS and (saved.state or group == "experiment"):
-            raise ConfigError(f"{group}={new}: the run used {group}={old}, and {STATE_GROUPS[group]} cannot carry "
-                              f"over to another option on resume; expected {group}={old} or no {group}="
-                              f"{_new_run_hint(saved, group, new)}")
+            raise ConfigError(
+                f"{group}={new}: the run used {group}={old}, and {STATE_GROUPS[group]} cannot carry "
+                f"over to another option on resume; expected {group}={old} or no {group}="
+                f"{_new_run_hint(saved, group, new)}"
+            )
         rechosen.append(group)
     return rechosen
 
@@ -528,31 +579,43 @@ def _merged(fresh: DictConfig, saved: SavedRun, rechosen: list[str], own: tuple[
             if key in rechosen or key in own:
                 continue
             try:
-                if key in merged and OmegaConf.get_type(merged, key) not in (dict, list, type(None)) \
-                        and isinstance(value, dict):  # a typed framework group: keep its schema
+                if (
+                    key in merged
+                    and OmegaConf.get_type(merged, key) not in (dict, list, type(None))
+                    and isinstance(value, dict)
+                ):  # a typed framework group: keep its schema
                     for leaf, leaf_value in _leaves(value, key).items():
                         OmegaConf.update(merged, leaf, leaf_value, merge=False)
                 else:
                     merged[key] = value
             except Exception as err:  # noqa: BLE001  (omegaconf's validation and key errors)
-                raise ConfigError(f"resume={saved.resume!r}: its saved config does not fit this version at {key} "
-                                  f"({str(err).splitlines()[0]}); expected a config this framework accepts "
-                                  "(start a new run with init_from= for its weights)") from None
+                raise ConfigError(
+                    f"resume={saved.resume!r}: its saved config does not fit this version at {key} "
+                    f"({str(err).splitlines()[0]}); expected a config this framework accepts "
+                    "(start a new run with init_from= for its weights)"
+                ) from None
     return merged
 
 
-def _report_changes(saved: dict[str, Any], merged: DictConfig, rechosen: list[str],
-                    old_choices: dict[str, Any], choices: dict[str, Any]) -> None:
+def _report_changes(
+    saved: dict[str, Any], merged: DictConfig, rechosen: list[str], old_choices: dict[str, Any], choices: dict[str, Any]
+) -> None:
     try:
         now = _leaves(OmegaConf.to_container(merged, resolve=True, enum_to_str=True))
     except Exception:  # noqa: BLE001  (an unresolvable value is reported by the app's own check)
         return
     before = _leaves(saved)
     changed = [f"{group}: {old_choices.get(group)} -> {choices[group]}" for group in rechosen]
-    changed += [f"{key}: {before.get(key, '(unset)')!r} -> {value!r}" for key, value in now.items()
-                if key.split(".")[0] not in _NOT_FROM_SAVED and before.get(key, object()) != value]
-    changed += [f"{key}: {value!r} -> (removed)" for key, value in before.items()
-                if key not in now and key.split(".")[0] not in _NOT_FROM_SAVED]
+    changed += [
+        f"{key}: {before.get(key, '(unset)')!r} -> {value!r}"
+        for key, value in now.items()
+        if key.split(".")[0] not in _NOT_FROM_SAVED and before.get(key, object()) != value
+    ]
+    changed += [
+        f"{key}: {value!r} -> (removed)"
+        for key, value in before.items()
+        if key not in now and key.split(".")[0] not in _NOT_FROM_SAVED
+    ]
     if changed:
         log.warning("Resuming with a changed config (from this command line):\n  %s", "\n  ".join(changed))
 
@@ -631,7 +694,9 @@ def check_saved_targets(cfg: DictConfig, trusted: set[str], project: Path, sourc
     for key, target in targets(container):
         if isinstance(target, str) and (target in trusted or _is_project_code(target, project)):
             continue
-        raise ConfigError(f"{key}={target!r}: {source} names a target that neither the config trees, this "
-                          "command line, the framework nor this project's own packages name, so it is not built "
-                          "(a saved config is data, not code); expected a target of your own, or "
-                          "trust_saved_config=true for a run you trust")
+        raise ConfigError(
+            f"{key}={target!r}: {source} names a target that neither the config trees, this "
+            "command line, the framework nor this project's own packages name, so it is not built "
+            "(a saved config is data, not code); expected a target of your own, or "
+            "trust_saved_config=true for a run you trust"
+        )

@@ -1,6 +1,7 @@
 """A run, built: its parts from config (`build`), wired (the metric logger, the task's handle, the evaluator, the
 stop, the state registry), a checkpoint restored into it (`restore`), and what callbacks see of it, by
 Lightning's names. The loop that runs it is the Trainer (trainer.py)."""
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,14 @@ class Run:
     """A run's parts, built and wired, and what callbacks see of it, by Lightning's names (global_step,
     current_epoch, callback_metrics, is_global_zero, should_stop, request_stop, log). The Trainer runs it."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, resume_from: Optional[Checkpoint] = None,
-                 hparams: Optional[dict[str, Any]] = None, choices: Optional[dict[str, Any]] = None) -> None:
+    def __init__(
+        self,
+        cfg: DictConfig,
+        run_dir: Path,
+        resume_from: Optional[Checkpoint] = None,
+        hparams: Optional[dict[str, Any]] = None,
+        choices: Optional[dict[str, Any]] = None,
+    ) -> None:
         self.cfg, self.hparams, t = cfg, hparams or {}, cfg.trainer
         self.fast_dev_run = t.fast_dev_run
         self.max_steps = 1 if self.fast_dev_run else t.max_steps
@@ -49,34 +56,65 @@ class Run:
         self.device = self.strategy.device
         self.run_dir, self.resume_from = self._agree_on_run(run_dir, resume_from)
         parts = self.parts = build_components(cfg, self.strategy, self.run_dir)
-        self.data, self.task, self.model_attr, self.precision = parts.data, parts.task, parts.model_attr, parts.precision
+        self.data, self.task, self.model_attr, self.precision = (
+            parts.data,
+            parts.task,
+            parts.model_attr,
+            parts.precision,
+        )
         self.optimizer, self.scheduler, self.checkpoints = parts.optimizer, parts.scheduler, parts.checkpoints
-        self.callbacks, self.train_batches, self.steps_per_epoch = parts.callbacks, parts.train_batches, \
-            parts.steps_per_epoch
+        self.callbacks, self.train_batches, self.steps_per_epoch = (
+            parts.callbacks,
+            parts.train_batches,
+            parts.steps_per_epoch,
+        )
         self.param_group_names = group_names(self.optimizer)
         self.params = [p for p in self.task.parameters() if p.requires_grad]
         rank_zero = self.strategy.is_rank_zero
         self.on_signal = cfg.checkpoint.on_signal and not self.fast_dev_run
         # On resume, TensorBoard drops whatever the killed run logged after its checkpoint's step.
         purge = self.resume_from.step + 1 if self.resume_from is not None else None
-        self.logger = TensorBoardLogger(self.run_dir, enabled=rank_zero and cfg.logger.tensorboard
-                                        and not self.fast_dev_run and not t.dry_run, purge_step=purge)
+        self.logger = TensorBoardLogger(
+            self.run_dir,
+            enabled=rank_zero and cfg.logger.tensorboard and not self.fast_dev_run and not t.dry_run,
+            purge_step=purge,
+        )
         self.bar = ProgressBar(enabled=rank_zero and cfg.logger.progress_bar, every_s=cfg.logger.progress_every_s)
-        self.metric_logger = MetricLogger(device=self.device, tensorboard=self.logger, bar=self.bar,
-                                          run_dir=self.run_dir, accumulate=self.accumulate,
-                                          steps_per_epoch=self.steps_per_epoch)
+        self.metric_logger = MetricLogger(
+            device=self.device,
+            tensorboard=self.logger,
+            bar=self.bar,
+            run_dir=self.run_dir,
+            accumulate=self.accumulate,
+            steps_per_epoch=self.steps_per_epoch,
+        )
         self.metric_logger.attach(self.task)
         self.progress, self.stop = Progress(), Stop(self.strategy, t.min_epochs, t.min_steps)
-        self.task.trainer = TaskHandle(self.metric_logger, self.progress, self.stop, is_global_zero=rank_zero,
-                                       world_size=self.strategy.world_size, max_epochs=self.max_epochs,
-                                       max_steps=self.max_steps)
+        self.task.trainer = TaskHandle(
+            self.metric_logger,
+            self.progress,
+            self.stop,
+            is_global_zero=rank_zero,
+            world_size=self.strategy.world_size,
+            max_epochs=self.max_epochs,
+            max_steps=self.max_steps,
+        )
         step_fns = {m: step_function(self.task, m) for m in ("training_step", "validation_step", "test_step")}
         self.training_step = step_fns["training_step"]
-        self.evaluator = Evaluator(task=self.task, model_attr=self.model_attr, data=self.data, strategy=self.strategy,
-                                   precision=self.precision, metric_logger=self.metric_logger, step_fns=step_fns,
-                                   limits={"val": 1 if self.fast_dev_run else t.limit_val_batches,
-                                           "test": 1 if self.fast_dev_run else t.limit_test_batches},
-                                   overfit=parts.overfit)
+        self.evaluator = Evaluator(
+            task=self.task,
+            model_attr=self.model_attr,
+            data=self.data,
+            strategy=self.strategy,
+            precision=self.precision,
+            metric_logger=self.metric_logger,
+            step_fns=step_fns,
+            limits={
+                "val": 1 if self.fast_dev_run else t.limit_val_batches,
+                "test": 1 if self.fast_dev_run else t.limit_test_batches,
+            },
+            overfit=parts.overfit,
+        )
         self._check_monitors_exist()
         self.tested = ""  # which weights fit's test used: best (step N) or last
         self._val_checked = False  # the monitors were checked against a validation round's metrics
@@ -86,8 +124,12 @@ class Run:
         self._clip_norm, self._clip_value = t.grad_clip_norm, t.grad_clip_value  # no config access per step
         self._val_every = t.val_every_n_steps if self.data.has("val") else 0
         # Ranks agree on stopping after every step when anything may ask (every rank must take part, or none).
-        self._agree_on_stops = self.on_signal or bool(self.callbacks.callbacks) or self.strategy.world_size == 1 \
+        self._agree_on_stops = (
+            self.on_signal
+            or bool(self.callbacks.callbacks)
+            or self.strategy.world_size == 1
             or task_hooks.task_callback(self.task) is not None
+        )
         before_step = self.callbacks.bound("on_before_optimizer_step")
         self._before_step = (lambda: before_step(self, self.task, self.optimizer)) if before_step else None
         self._before_zero_grad = self.callbacks.bound("on_before_zero_grad")
@@ -109,11 +151,17 @@ class Run:
     def _register_state(self, choices: Optional[dict[str, Any]]) -> TrainingState:
         """Every piece of resumable state, once. The checkpoint's meta.json also holds the config and the groups'
         options (which resume rebuilds the run from) and the number of processes."""
-        state = TrainingState(lambda: self.module, self.progress, self.metric_logger.metrics, info={
-            "framework_version": framework.__version__,  # which version wrote it
-            "world_size": self.strategy.world_size,
-            "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
-            "choices": {g: o for g, o in (choices or {}).items() if not g.startswith("hydra")}})
+        state = TrainingState(
+            lambda: self.module,
+            self.progress,
+            self.metric_logger.metrics,
+            info={
+                "framework_version": framework.__version__,  # which version wrote it
+                "world_size": self.strategy.world_size,
+                "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
+                "choices": {g: o for g, o in (choices or {}).items() if not g.startswith("hydra")},
+            },
+        )
         state.register("optimizer", self.optimizer, check=optimizer_check(self.optimizer))
         if self.scheduler is not None:
             state.register("scheduler", self.scheduler)
@@ -183,9 +231,11 @@ class Run:
 
     def _monitors(self) -> dict[str, str]:
         """Every metric a component watches, by the config key that names it."""
-        found = {"checkpoint.monitor": self.checkpoints.monitor if self.checkpoints.save_top_k else None,
-                 "scheduler.monitor": getattr(self.scheduler, "monitor", None),
-                 **{f"callbacks.{name}.monitor": getattr(cb, "monitor", None) for name, cb in self.callbacks}}
+        found = {
+            "checkpoint.monitor": self.checkpoints.monitor if self.checkpoints.save_top_k else None,
+            "scheduler.monitor": getattr(self.scheduler, "monitor", None),
+            **{f"callbacks.{name}.monitor": getattr(cb, "monitor", None) for name, cb in self.callbacks},
+        }
         return {key: monitor for key, monitor in found.items() if isinstance(monitor, str)}
 
     def _check_monitors_exist(self) -> None:
@@ -194,12 +244,21 @@ class Run:
             return
         for key, monitor in self._monitors().items():  # (checkpoint's: config.validate already refused it)
             remedy = "scheduler.monitor=null" if key == "scheduler.monitor" else f"{key.rsplit('.', 1)[0]}=null"
-            raise ConfigError(f"{key}={monitor!r}: this run has no validation split (data.val is null), so the "
-                              f"metric never exists; expected a data.val split, or {remedy}")
+            raise ConfigError(
+                f"{key}={monitor!r}: this run has no validation split (data.val is null), so the "
+                f"metric never exists; expected a data.val split, or {remedy}"
+            )
 
     def _restore(self, checkpoint: Checkpoint) -> None:
-        self._saved_task_state = restore(checkpoint, self.cfg, self.state, module=self.module, strategy=self.strategy,
-                                         optimizer=self.optimizer, scheduler=self.scheduler)
+        self._saved_task_state = restore(
+            checkpoint,
+            self.cfg,
+            self.state,
+            module=self.module,
+            strategy=self.strategy,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+        )
         self.checkpoints.saved_step = self.progress.step
         if self.strategy.is_rank_zero:
             p = self.progress
@@ -214,19 +273,34 @@ class Run:
             batch = move_to(next(iter(self.data.batches("train"))), self.device)
             summary = summarize(self.module, lambda: self.task.validation_step(batch))
         if self.strategy.is_rank_zero:
-            describe_setup(self.cfg, self.parts, world_size=self.strategy.world_size, run_dir=self.run_dir,
-                           tensorboard=self.logger, fresh=self.progress.step == 0,
-                           charts=[*self._monitors().values(), *self._val_names], hparams=self.hparams,
-                           model_summary=summary)
+            describe_setup(
+                self.cfg,
+                self.parts,
+                world_size=self.strategy.world_size,
+                run_dir=self.run_dir,
+                tensorboard=self.logger,
+                fresh=self.progress.step == 0,
+                charts=[*self._monitors().values(), *self._val_names],
+                hparams=self.hparams,
+                model_summary=summary,
+            )
 
     # ------------------------------------------------------------------ results
     def _summary(self, seconds: float) -> dict[str, Any]:
         summary: dict[str, Any] = dict(self.metrics)
         best = self.checkpoints.best_path()
         p = self.progress
-        summary.update(status="ok", step=p.step, epoch=p.epoch, batch_in_epoch=p.batch_in_epoch,
-                       epoch_batches=self.train_batches, seconds=round(seconds, 3),
-                       world_size=self.strategy.world_size, precision=self.precision.name,
-                       best_checkpoint=str(best) if best is not None else None, stopped=self.stop.reason or None,
-                       tested=self.tested or None)
+        summary.update(
+            status="ok",
+            step=p.step,
+            epoch=p.epoch,
+            batch_in_epoch=p.batch_in_epoch,
+            epoch_batches=self.train_batches,
+            seconds=round(seconds, 3),
+            world_size=self.strategy.world_size,
+            precision=self.precision.name,
+            best_checkpoint=str(best) if best is not None else None,
+            stopped=self.stop.reason or None,
+            tested=self.tested or None,
+        )
         return summary

@@ -5,6 +5,7 @@ The lock is `fcntl.flock` on `RUN_DIR/.lock`, held for the life of the process: 
 the process dies however it dies, so a lock left by a killed run is simply free again (no stale-PID
 guessing). The file records the holder's PID and host for the error message of a second process.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,16 +35,20 @@ class RunDirLock:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as err:
-            raise ConfigError(f"hydra.run.dir={str(self.path.parent)!r}: cannot write there ({err.strerror}); "
-                              "expected a directory this user can write") from None
+            raise ConfigError(
+                f"hydra.run.dir={str(self.path.parent)!r}: cannot write there ({err.strerror}); "
+                "expected a directory this user can write"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
-            raise ConfigError(f"hydra.run.dir={str(self.path.parent)!r}: {holder} is already running this run; "
-                              "expected one process per run directory (wait for it to end, or stop it, then "
-                              "resume)") from None
+            raise ConfigError(
+                f"hydra.run.dir={str(self.path.parent)!r}: {holder} is already running this run; "
+                "expected one process per run directory (wait for it to end, or stop it, then "
+                "resume)"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"PID {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         self._fd = fd

@@ -1,6 +1,7 @@
 """What a user checks before trusting a run, written once it is built: the global batch, the parameter groups
 (`param_groups.json`), the LR plan, the config and TensorBoard's layout and HParams session (a fresh run only), and
 in a dry run the model summary. Printed and written by rank 0 only."""
+
 from __future__ import annotations
 
 import logging
@@ -20,15 +21,31 @@ log = logging.getLogger("framework.trainer")  # the name run.log and the tests k
 HPARAM_METRICS = ["val/acc", "val/loss", "best/val/acc", "best/val/loss", "test/acc", "test/loss"]
 
 
-def describe_setup(cfg: DictConfig, parts: Any, *, world_size: int, run_dir: Path, tensorboard: Any, fresh: bool,
-                   charts: list[str], hparams: dict[str, Any], model_summary: Optional[str]) -> None:
+def describe_setup(
+    cfg: DictConfig,
+    parts: Any,
+    *,
+    world_size: int,
+    run_dir: Path,
+    tensorboard: Any,
+    fresh: bool,
+    charts: list[str],
+    hparams: dict[str, Any],
+    model_summary: Optional[str],
+) -> None:
     """`parts`: the run's Components; `charts`: the metrics TensorBoard's first screen shows."""
     dry_run = cfg.trainer.dry_run
     per_device, accumulate = parts.data.batch_size, cfg.trainer.accumulate_grad_batches
     # In run.log (and param_groups.json); on the console too in a dry run, which is for reading them.
     say = log.info if dry_run else (lambda msg, *args: file_only(msg % args, log))
-    say("Global batch: %d per process x %d process%s x %d accumulated = %d samples per optimizer step",
-        per_device, world_size, "es" if world_size > 1 else "", accumulate, per_device * world_size * accumulate)
+    say(
+        "Global batch: %d per process x %d process%s x %d accumulated = %d samples per optimizer step",
+        per_device,
+        world_size,
+        "es" if world_size > 1 else "",
+        accumulate,
+        per_device * world_size * accumulate,
+    )
     say("Parameter groups:\n%s", format_groups(parts.optimizer, parts.frozen))
     plan = lr_plan(parts.scheduler, parts.optimizer, parts.steps_per_epoch) if parts.scheduler else {}
     write_json(run_dir / "param_groups.json", describe_groups(parts.optimizer))

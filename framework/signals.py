@@ -19,6 +19,7 @@ first line; the parent keeps these signals blocked while it starts the workers, 
 the kernel). The watch takes a held signal over: the run stops after its first step, saves and requeues as
 above. A held signal the run does not watch (checkpoint.on_signal=false) takes its default action then.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,8 +40,11 @@ def parse(name: Any) -> Optional[signal.Signals]:
     """A signal by name (SIGUSR1, USR1) or number; None if there is no such signal."""
     text = str(name).strip().upper()
     try:
-        return signal.Signals(int(text)) if text.isdigit() else signal.Signals[text if text.startswith("SIG") else
-                                                                                f"SIG{text}"]
+        return (
+            signal.Signals(int(text))
+            if text.isdigit()
+            else signal.Signals[text if text.startswith("SIG") else f"SIG{text}"]
+        )
     except (KeyError, ValueError):
         return None
 
@@ -127,8 +131,11 @@ class SignalWatch:
         held = LATCH.release(taken_over=self._previous)  # one not watched takes its default action now
         if held:
             self.received = held[0]
-            log.warning("Received %s while the run was starting: taking the first step, then saving "
-                        "checkpoints/last (send again to abort)", signal.Signals(held[0]).name)
+            log.warning(
+                "Received %s while the run was starting: taking the first step, then saving "
+                "checkpoints/last (send again to abort)",
+                signal.Signals(held[0]).name,
+            )
         return self
 
     def previous(self, signum: int) -> Any:
@@ -142,11 +149,15 @@ class SignalWatch:
             raise KeyboardInterrupt
         self.received = signum
         if self.after_training:
-            log.warning("Received %s after the last step: finishing the run, which is not requeued (send again to "
-                        "abort)", signal.Signals(signum).name)
+            log.warning(
+                "Received %s after the last step: finishing the run, which is not requeued (send again to abort)",
+                signal.Signals(signum).name,
+            )
         else:
-            log.warning("Received %s: finishing this step, then saving checkpoints/last (send again to abort)",
-                        signal.Signals(signum).name)
+            log.warning(
+                "Received %s: finishing this step, then saving checkpoints/last (send again to abort)",
+                signal.Signals(signum).name,
+            )
 
     def __exit__(self, *_exc: Any) -> None:
         for sig, handler in self._previous.items():
@@ -185,8 +196,11 @@ def requeue(signum: int, previous: Any, mode: Any) -> Optional[str]:
         log.error("scontrol requeue %s failed (%s); the run is saved: resume it with the same command", job, err)
         return None
     if done.returncode != 0:
-        log.error("scontrol requeue %s failed: %s; the run is saved: resume it with the same command", job,
-                  (done.stderr or done.stdout).strip() or f"exit code {done.returncode}")
+        log.error(
+            "scontrol requeue %s failed: %s; the run is saved: resume it with the same command",
+            job,
+            (done.stderr or done.stdout).strip() or f"exit code {done.returncode}",
+        )
         return None
     log.warning("Requeued SLURM job %s: it continues from checkpoints/last when it starts again", job)
     return f"requeued SLURM job {job}"

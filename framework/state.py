@@ -8,6 +8,7 @@ rank saves its own shards), the optimizer, the scheduler, precision's GradScaler
 loaded, so a checkpoint that does not fit leaves nothing half-restored) then `load()`. New resumable state is
 one `register` call.
 """
+
 from __future__ import annotations
 
 import logging
@@ -96,8 +97,12 @@ class RngState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if f"rank{self.strategy.rank}" not in state:
-            log.warning("resume: the checkpoint has no RNG state for rank %d (it ran with %d processes); random "
-                        "streams restart from rank 0's", self.strategy.rank, len(state))
+            log.warning(
+                "resume: the checkpoint has no RNG state for rank %d (it ran with %d processes); random "
+                "streams restart from rank 0's",
+                self.strategy.rank,
+                len(state),
+            )
         reproducibility.set_rng_state(self._own(state))
 
 
@@ -126,8 +131,11 @@ class TaskState:
         save_hook = getattr(self.task, "on_save_checkpoint", None)
         if hooks and callable(save_hook):
             save_hook(hook)
-        return {"metrics": {path: metric_state(m) for path, m in self.metrics().items()},
-                "buffers": {name: b.detach().cpu() for name, b in self.buffers().items()}, "hook": hook}
+        return {
+            "metrics": {path: metric_state(m) for path, m in self.metrics().items()},
+            "buffers": {name: b.detach().cpu() for name, b in self.buffers().items()},
+            "hook": hook,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         states = self.strategy.gather_objects(self.local())  # a collective: every rank saves
@@ -183,8 +191,9 @@ class _Part:
 class TrainingState:
     """The registry. `model` is a callable returning the module whose weights are saved (the unwrapped one)."""
 
-    def __init__(self, model: Callable[[], torch.nn.Module], progress: Progress, metrics: dict[str, float],
-                 info: dict[str, Any]) -> None:
+    def __init__(
+        self, model: Callable[[], torch.nn.Module], progress: Progress, metrics: dict[str, float], info: dict[str, Any]
+    ) -> None:
         self.model, self.progress, self.info = model, progress, info
         self.parts: dict[str, _Part] = {}
         self.register("loop", progress, check=progress.check_state_dict)
@@ -195,7 +204,7 @@ class TrainingState:
         must have the structure, dtypes and shapes of `obj.state_dict()` now (`validate_state`)."""
         if name in self.parts:
             raise ValueError(f"state part {name!r} is registered twice")
-        default = (lambda saved, where: validate_state(saved, obj.state_dict(), where))
+        default = lambda saved, where: validate_state(saved, obj.state_dict(), where)
         self.parts[name] = _Part(obj, check or default, optional)
 
     def collect(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
@@ -210,8 +219,9 @@ class TrainingState:
             raise DamagedCheckpoint(f"{where}: its state is {type(state).__name__}; expected a dict of parts")
         missing = [n for n, p in self.parts.items() if n not in state and n not in skip and not p.optional]
         if missing:
-            raise DamagedCheckpoint(f"{where}: its state lacks {', '.join(missing)}; expected a checkpoint written by "
-                                    "this framework")
+            raise DamagedCheckpoint(
+                f"{where}: its state lacks {', '.join(missing)}; expected a checkpoint written by this framework"
+            )
         for name, part in self.parts.items():
             if name in state and name not in skip:
                 part.check(state[name], f"{where}: {name}")
@@ -224,5 +234,6 @@ class TrainingState:
             if name in state:
                 part.obj.load_state_dict(state[name])
             else:
-                log.warning("resume: the checkpoint has no %s state (written before it was saved); it starts fresh",
-                            name)
+                log.warning(
+                    "resume: the checkpoint has no %s state (written before it was saved); it starts fresh", name
+                )

@@ -1,6 +1,7 @@
 """When a run stops early: a callback's (or the task's) request, held back until trainer.min_epochs and min_steps
 are reached, and agreed by every rank after an optimizer step together with the signals any rank received, so
 that every process stops after the same step."""
+
 from __future__ import annotations
 
 import logging
@@ -31,8 +32,14 @@ class Stop:
         if progress.epoch >= self.min_epochs and progress.step >= self.min_steps:
             return True
         if self.strategy.is_rank_zero:
-            log.info("%s: not yet, trainer.min_epochs=%d and min_steps=%d (at epoch %d, step %d)", self.reason,
-                     self.min_epochs, self.min_steps, progress.epoch, progress.step)
+            log.info(
+                "%s: not yet, trainer.min_epochs=%d and min_steps=%d (at epoch %d, step %d)",
+                self.reason,
+                self.min_epochs,
+                self.min_steps,
+                progress.epoch,
+                progress.step,
+            )
         self.reason = ""
         return False
 

@@ -9,6 +9,7 @@ stop a sweep: the app records a failed job's error in its `summary.json` and ret
 `${sweep_subdir:}` (conf/config.yaml, `hydra.sweep.subdir`) names a job's directory after the keys the sweep
 varies only: `-m optimizer.lr=0.01,0.1 trainer.max_epochs=3` gives `0_optimizer.lr=0.01`, not every override.
 """
+
 from __future__ import annotations
 
 import csv
@@ -38,12 +39,34 @@ from framework.errors import ConfigError
 log = logging.getLogger(__name__)
 
 # The choices every job records as HParams, beside its own overrides: name -> how to read it.
-KEY_CHOICES = {"model": "choice", "data": "choice", "optimizer": "choice", "optimizer.lr": "value",
-               "data.batch_size": "value", "precision": "choice", "parallel": "choice", "seed": "value"}
+KEY_CHOICES = {
+    "model": "choice",
+    "data": "choice",
+    "optimizer": "choice",
+    "optimizer.lr": "value",
+    "data.batch_size": "value",
+    "precision": "choice",
+    "parallel": "choice",
+    "seed": "value",
+}
 # What a job's summary.json records beside its metrics (trainer.Trainer._summary, app._failed_job and the app's
 # other records): every other number in it is a metric, named as the trainer or the task logged it.
-RUN_FIELDS = frozenset({"status", "error", "step", "epoch", "batch_in_epoch", "epoch_batches", "seconds",
-                        "world_size", "precision", "best_checkpoint", "stopped", "framework_version"})
+RUN_FIELDS = frozenset(
+    {
+        "status",
+        "error",
+        "step",
+        "epoch",
+        "batch_in_epoch",
+        "epoch_batches",
+        "seconds",
+        "world_size",
+        "precision",
+        "best_checkpoint",
+        "stopped",
+        "framework_version",
+    }
+)
 # The order of the metric columns after the objective: by the part of the name before its first "/", then the rest.
 METRIC_GROUPS = ("val", "best", "test", "train")
 TABLE_GROUPS = ("val", "best", "test")  # the console table's; summary.csv has every metric
@@ -136,8 +159,9 @@ def sweep_subdir(*, _root_: DictConfig) -> str:
     else:
         style = hydra_cfg.job.config.override_dirname
         overrides = OverridesParser.create().parse_overrides([str(o) for o in hydra_cfg.overrides.task])
-        lines = sorted(str(o.input_line) for o in overrides
-                       if o.key_or_group in swept and o.key_or_group not in style.exclude_keys)
+        lines = sorted(
+            str(o.input_line) for o in overrides if o.key_or_group in swept and o.key_or_group not in style.exclude_keys
+        )
         name = str(style.item_sep).join(lines).replace("=", str(style.kv_sep))
     return f"{hydra_cfg.job.num}_{name}" if name else str(hydra_cfg.job.num)
 
@@ -169,14 +193,20 @@ def _read_summary(path: Path) -> dict[str, Any]:
 def _read_jobs(sweep_dir: Path) -> list[tuple[Path, dict[str, str], dict[str, Any]]]:
     """Each job directory of the sweep in job order, with its overrides and its record."""
     jobs = []
-    for job_dir in sorted((p for p in sweep_dir.iterdir() if (p / ".hydra").is_dir()),
-                          key=lambda p: int(p.name.split("_", 1)[0]) if p.name.split("_", 1)[0].isdigit() else 0):
+    for job_dir in sorted(
+        (p for p in sweep_dir.iterdir() if (p / ".hydra").is_dir()),
+        key=lambda p: int(p.name.split("_", 1)[0]) if p.name.split("_", 1)[0].isdigit() else 0,
+    ):
         summary_path, refused = job_dir / "summary.json", job_dir / REFUSED
-        if refused.is_file() and (not summary_path.is_file()
-                                  or refused.stat().st_mtime_ns >= summary_path.stat().st_mtime_ns):
+        if refused.is_file() and (
+            not summary_path.is_file() or refused.stat().st_mtime_ns >= summary_path.stat().st_mtime_ns
+        ):
             summary_path = refused
-        summary = _read_summary(summary_path) if summary_path.is_file() else {
-            "status": "failed", "error": "no summary.json (the job died before finishing)"}
+        summary = (
+            _read_summary(summary_path)
+            if summary_path.is_file()
+            else {"status": "failed", "error": "no summary.json (the job died before finishing)"}
+        )
         jobs.append((job_dir, _job_overrides(job_dir), summary))
     return jobs
 
@@ -193,17 +223,23 @@ def _swept_columns(overrides: list[dict[str, str]], declared: Collection[str]) -
 def metric_columns(summaries: list[dict[str, Any]], objective: str) -> list[str]:
     """Every metric any job recorded: the objective first (a column even when no job has it), then by group
     (val/*, best/*, test/*, train/*, any other) and by name within one."""
-    names = {k for s in summaries for k, v in s.items()
-             if k not in RUN_FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    names = {
+        k
+        for s in summaries
+        for k, v in s.items()
+        if k not in RUN_FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
     def order(name: str) -> tuple[int, str]:
         group = name.split("/", 1)[0] if "/" in name else ""
         return (METRIC_GROUPS.index(group) if group in METRIC_GROUPS else len(METRIC_GROUPS), name)
+
     return [objective, *sorted(names - {objective}, key=order)]
 
 
-def collect(sweep_dir: Path, objective: str, declared: Collection[str] = ()) -> tuple[
-        list[dict[str, Any]], list[str], list[str]]:
+def collect(
+    sweep_dir: Path, objective: str, declared: Collection[str] = ()
+) -> tuple[list[dict[str, Any]], list[str], list[str]]:
     """One row per job directory of the sweep, the swept keys and the metrics: each a column of every row, empty
     where a job lacks it. `declared`: the keys the sweep's command line and search space sweep."""
     jobs = _read_jobs(sweep_dir)
@@ -223,11 +259,13 @@ def collect(sweep_dir: Path, objective: str, declared: Collection[str] = ()) -> 
 
 def rank(rows: list[dict[str, Any]], metric: str, mode: str) -> list[dict[str, Any]]:
     """Best job first; failed jobs and jobs without the metric last."""
+
     def key(row: dict[str, Any]) -> tuple[int, float]:
         value = row.get(metric)
         if row["status"] != "ok" or not isinstance(value, (int, float)) or math.isnan(value):
             return (1, 0.0)
         return (0, -value if mode == "max" else value)
+
     return sorted(rows, key=key)
 
 
@@ -286,9 +324,11 @@ def check_direction(config: DictConfig) -> None:
     metric, mode = objective(config)
     wanted = "maximize" if mode == "max" else "minimize"
     if direction != wanted:
-        raise ConfigError(f"hydra.sweeper.direction={direction}: each job returns {metric} (checkpoint.monitor), "
-                          f"better when {'larger' if mode == 'max' else 'smaller'} (checkpoint.mode={mode}); "
-                          f"expected hydra.sweeper.direction={wanted}")
+        raise ConfigError(
+            f"hydra.sweeper.direction={direction}: each job returns {metric} (checkpoint.monitor), "
+            f"better when {'larger' if mode == 'max' else 'smaller'} (checkpoint.mode={mode}); "
+            f"expected hydra.sweeper.direction={wanted}"
+        )
 
 
 def _as_override(key: str, value: str) -> Optional[str]:
@@ -315,8 +355,10 @@ def stop_in_sweep_process(config: DictConfig, signum: int) -> None:
     if _SWEEP.get("pid") != os.getpid():
         return
     report(config, _SWEEP["dir"], _SWEEP.get("swept", ()))
-    print(f"Sweep stopped by {signal.Signals(signum).name}: the same command with hydra.sweep.dir={_SWEEP['dir']} "
-          "continues it (each job from its checkpoints/last)")
+    print(
+        f"Sweep stopped by {signal.Signals(signum).name}: the same command with hydra.sweep.dir={_SWEEP['dir']} "
+        "continues it (each job from its checkpoints/last)"
+    )
     sys.exit(128 + signum)
 
 

@@ -18,6 +18,7 @@ fit the model is one line naming `data`, `model` or `task` with the shapes seen,
 first step, and the task's own state (metrics, buffers) never sees the check; the steps themselves trust their
 inputs.
 """
+
 from __future__ import annotations
 
 import copy
@@ -98,11 +99,23 @@ class Task(nn.Module):
         if info.keywords and info.keywords in wanted:
             self.hparams.update({k: v for k, v in info.locals[info.keywords].items() if k not in ignored})
 
-    def log(self, name: str, value: Any, prog_bar: bool = False, logger: Optional[bool] = None,
-            on_step: Optional[bool] = None, on_epoch: Optional[bool] = None, reduce_fx: Any = "mean",
-            enable_graph: bool = False, sync_dist: bool = False, sync_dist_group: Any = None,
-            add_dataloader_idx: bool = True, batch_size: Optional[int] = None, metric_attribute: Optional[str] = None,
-            rank_zero_only: bool = False) -> None:
+    def log(
+        self,
+        name: str,
+        value: Any,
+        prog_bar: bool = False,
+        logger: Optional[bool] = None,
+        on_step: Optional[bool] = None,
+        on_epoch: Optional[bool] = None,
+        reduce_fx: Any = "mean",
+        enable_graph: bool = False,
+        sync_dist: bool = False,
+        sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True,
+        batch_size: Optional[int] = None,
+        metric_attribute: Optional[str] = None,
+        rank_zero_only: bool = False,
+    ) -> None:
         """Lightning's `self.log`, from a step or a hook: a tensor (kept on the device: no sync per step), a
         number, or a torchmetrics `Metric` (computed, over every rank, and reset at the epoch's or the
         evaluation's end; at a training logging step, its value over the epoch so far). `name` is logged as given
@@ -115,8 +128,16 @@ class Task(nn.Module):
         `metric_attribute` change nothing here (see docs/coming_from_lightning.md). Outside a run it does
         nothing."""
         if self.trainer is not None:
-            self.trainer.log_from_task(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
-                                       logger=logger is not False, reduce_fx=reduce_fx, batch_size=batch_size)
+            self.trainer.log_from_task(
+                name,
+                value,
+                on_step=on_step,
+                on_epoch=on_epoch,
+                prog_bar=prog_bar,
+                logger=logger is not False,
+                reduce_fx=reduce_fx,
+                batch_size=batch_size,
+            )
 
     def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:
         """Lightning's `self.log_dict`: `self.log` of each item, with the same keyword arguments."""
@@ -173,8 +194,9 @@ class Task(nn.Module):
             first = next(iter(first.values()), None)
         return len(first) if hasattr(first, "__len__") else 1
 
-    def check_batch(self, batch: Any, split: str, *, input_shape: Optional[Sequence[int]] = None,
-                    num_classes: Optional[int] = None) -> Optional[StepOutput]:
+    def check_batch(
+        self, batch: Any, split: str, *, input_shape: Optional[Sequence[int]] = None, num_classes: Optional[int] = None
+    ) -> Optional[StepOutput]:
         """Run the step of `split` on its first batch (`training_step` for "train", `validation_step` for the
         others; the trainer calls this on a throw-away copy of the task, in eval mode under no_grad) and report
         what fails as the task's. `input_shape` and `num_classes` are what `data` declares. Returns the step's
@@ -187,8 +209,10 @@ class Task(nn.Module):
         except UserError:
             raise
         except Exception as err:
-            raise ConfigError(f"task: {name} on the first {split} batch ({describe(batch)}) raised "
-                              f"{error_line(err)}; expected a batch it takes {FULL_ERROR_HINT}") from err
+            raise ConfigError(
+                f"task: {name} on the first {split} batch ({describe(batch)}) raised "
+                f"{error_line(err)}; expected a batch it takes {FULL_ERROR_HINT}"
+            ) from err
         return as_step_output(out, name, training=split == "train")
 
 
@@ -200,13 +224,16 @@ def _accepts_batch_idx(fn: Callable[..., Any], where: str) -> bool:
         return True
     if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
         return True
-    positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                                   inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    positional = [
+        p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
     required = [p for p in positional if p.default is inspect.Parameter.empty]
     if not positional or len(required) > 2:
         shown = ", ".join(p.name for p in params)
-        raise ConfigError(f"task: {where}({shown}): expected {where.rsplit('.', 1)[-1]}(self, batch) or "
-                          f"{where.rsplit('.', 1)[-1]}(self, batch, batch_idx)")
+        raise ConfigError(
+            f"task: {where}({shown}): expected {where.rsplit('.', 1)[-1]}(self, batch) or "
+            f"{where.rsplit('.', 1)[-1]}(self, batch, batch_idx)"
+        )
     return len(positional) >= 2
 
 
@@ -234,16 +261,22 @@ def as_step_output(out: Any, where: str, *, training: bool) -> Optional[StepOutp
         result = StepOutput(out)  # (refused below: not a tensor)
     if result is None:
         if training:
-            raise ConfigError(f"task: {where} returned {describe(out)}; expected the loss: a tensor, a dict with "
-                              "'loss', or a StepOutput(loss, metrics)")
+            raise ConfigError(
+                f"task: {where} returned {describe(out)}; expected the loss: a tensor, a dict with "
+                "'loss', or a StepOutput(loss, metrics)"
+            )
         return None
     loss = result.loss
     if not isinstance(loss, torch.Tensor):
-        raise ConfigError(f"task: {where} returned {describe(out)}; expected the loss: a tensor, a dict with 'loss', "
-                          "or a StepOutput(loss, metrics)")
+        raise ConfigError(
+            f"task: {where} returned {describe(out)}; expected the loss: a tensor, a dict with 'loss', "
+            "or a StepOutput(loss, metrics)"
+        )
     if loss.numel() != 1 or not loss.is_floating_point():
-        raise ConfigError(f"task: {where} gave a loss of {describe(loss)}; expected one floating-point "
-                          "number, the loss reduced over the batch")
+        raise ConfigError(
+            f"task: {where} gave a loss of {describe(loss)}; expected one floating-point "
+            "number, the loss reduced over the batch"
+        )
     return result
 
 
@@ -271,8 +304,9 @@ class ClassificationTask(Task):
     themselves) and is computed over the whole split in `epoch_metrics`.
     """
 
-    def __init__(self, model: nn.Module, loss: Optional[nn.Module] = None,
-                 metrics: Optional[Mapping[str, Metric]] = None) -> None:
+    def __init__(
+        self, model: nn.Module, loss: Optional[nn.Module] = None, metrics: Optional[Mapping[str, Metric]] = None
+    ) -> None:
         super().__init__(model)
         self.loss = loss if loss is not None else nn.CrossEntropyLoss()
         configured = dict(metrics) if metrics is not None else {"acc": Accuracy()}
@@ -280,8 +314,9 @@ class ClassificationTask(Task):
         stateful: dict[str, Any] = {name: metric for name, metric in configured.items() if is_stateful(metric)}
         # One copy per split, so that a test never mixes with validation state. Submodules, so .to(device)
         # moves them (and the task's state, framework/state.py TaskState, saves them).
-        self.stateful_metrics: Any = nn.ModuleDict({split: nn.ModuleDict(copy.deepcopy(stateful))
-                                                    for split in ("val", "test")})
+        self.stateful_metrics: Any = nn.ModuleDict(
+            {split: nn.ModuleDict(copy.deepcopy(stateful)) for split in ("val", "test")}
+        )
 
     def training_step(self, batch: Any, batch_idx: int = 0) -> StepOutput:
         # Training metrics are left out on purpose: the hot path computes only what backward needs.
@@ -318,26 +353,35 @@ class ClassificationTask(Task):
             metric.reset()
         return values
 
-    def check_batch(self, batch: Any, split: str, *, input_shape: Optional[Sequence[int]] = None,
-                    num_classes: Optional[int] = None) -> Optional[StepOutput]:
+    def check_batch(
+        self, batch: Any, split: str, *, input_shape: Optional[Sequence[int]] = None, num_classes: Optional[int] = None
+    ) -> Optional[StepOutput]:
         """Batch, model output, loss and metrics in turn, each failure named by the key to change."""
         data = f"data.{split}"
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise ConfigError(f"{data}: its first batch is {describe(batch)}; expected (inputs, labels) pairs for "
-                              f"{type(self).__name__}, i.e. a dataset whose samples are (input, label) tuples")
+            raise ConfigError(
+                f"{data}: its first batch is {describe(batch)}; expected (inputs, labels) pairs for "
+                f"{type(self).__name__}, i.e. a dataset whose samples are (input, label) tuples"
+            )
         inputs, target = batch
         if not (isinstance(inputs, torch.Tensor) and isinstance(target, torch.Tensor)):
-            raise ConfigError(f"{data}: its first batch is ({describe(inputs)}, {describe(target)}); expected a "
-                              "tensor of inputs and one of labels: samples of tensors or numbers (e.g. an int "
-                              "label, images through a ToTensor transform)")
+            raise ConfigError(
+                f"{data}: its first batch is ({describe(inputs)}, {describe(target)}); expected a "
+                "tensor of inputs and one of labels: samples of tensors or numbers (e.g. an int "
+                "label, images through a ToTensor transform)"
+            )
         if inputs.dim() == 0 or target.dim() == 0 or len(inputs) != len(target):
-            raise ConfigError(f"{data}: its first batch has inputs of {describe(inputs)} and labels of "
-                              f"{describe(target)}; expected one label per input, batch first")
+            raise ConfigError(
+                f"{data}: its first batch has inputs of {describe(inputs)} and labels of "
+                f"{describe(target)}; expected one label per input, batch first"
+            )
         sample = list(inputs.shape[1:])
         if input_shape is not None and sample != list(input_shape):
-            raise ConfigError(f"data.input_shape={list(input_shape)}: the first {split} batch has inputs of "
-                              f"{describe(inputs)}, samples of shape {sample}; expected "
-                              f"data.input_shape={_cli(sample)} (the model is built for it)")
+            raise ConfigError(
+                f"data.input_shape={list(input_shape)}: the first {split} batch has inputs of "
+                f"{describe(inputs)}, samples of shape {sample}; expected "
+                f"data.input_shape={_cli(sample)} (the model is built for it)"
+            )
         try:
             output = self.model(inputs)
         except UserError:
@@ -345,11 +389,15 @@ class ClassificationTask(Task):
         except Exception as err:
             raise self._forward_failed(inputs, split, err) from err
         if not isinstance(output, torch.Tensor):
-            raise ConfigError(f"model: returned {describe(output)} for inputs of {describe(inputs)}; expected a "
-                              "tensor of scores, batch first, for task.loss and task.metrics")
+            raise ConfigError(
+                f"model: returned {describe(output)} for inputs of {describe(inputs)}; expected a "
+                "tensor of scores, batch first, for task.loss and task.metrics"
+            )
         if output.dim() == 0 or len(output) != len(inputs):
-            raise ConfigError(f"model: output of {describe(output)} for inputs of {describe(inputs)}; expected "
-                              "one row of scores per input, batch first")
+            raise ConfigError(
+                f"model: output of {describe(output)} for inputs of {describe(inputs)}; expected "
+                "one row of scores per input, batch first"
+            )
         shaped = output.dim() >= 2 and target.shape == output.shape[:1] + output.shape[2:]  # (N,) for (N, C)
         if shaped and not target.is_floating_point() and target.dtype != torch.bool:  # class indices
             self._check_labels(output, target, split, num_classes)
@@ -359,15 +407,21 @@ class ClassificationTask(Task):
             raise
         except Exception as err:
             if shaped and target.dtype != torch.long and hasattr(self.loss, "ignore_index"):  # takes indices
-                raise ConfigError(f"{data}: labels of {describe(target)} for the model's output of "
-                                  f"{describe(output)}: {_name(self.loss)} raised {error_line(err)}; expected "
-                                  "class indices of dtype int64 (torch.long)") from err
-            raise ConfigError(f"task.loss: {_name(self.loss)} on the model's output of {describe(output)} and "
-                              f"labels of {describe(target)} raised {error_line(err)}; expected a loss that "
-                              f"takes them {FULL_ERROR_HINT}") from err
+                raise ConfigError(
+                    f"{data}: labels of {describe(target)} for the model's output of "
+                    f"{describe(output)}: {_name(self.loss)} raised {error_line(err)}; expected "
+                    "class indices of dtype int64 (torch.long)"
+                ) from err
+            raise ConfigError(
+                f"task.loss: {_name(self.loss)} on the model's output of {describe(output)} and "
+                f"labels of {describe(target)} raised {error_line(err)}; expected a loss that "
+                f"takes them {FULL_ERROR_HINT}"
+            ) from err
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ConfigError(f"task.loss: {_name(self.loss)} returned {describe(loss)}; expected one number, "
-                              "the loss reduced over the batch (e.g. reduction='mean')")
+            raise ConfigError(
+                f"task.loss: {_name(self.loss)} returned {describe(loss)}; expected one number, "
+                "the loss reduced over the batch (e.g. reduction='mean')"
+            )
         metrics: dict[str, Any] = {**self.metrics, **self.stateful_metrics["val"]}
         for name, metric in metrics.items():
             try:
@@ -378,9 +432,11 @@ class ClassificationTask(Task):
             except UserError:
                 raise
             except Exception as err:
-                raise ConfigError(f"task.metrics.{name}: {_name(metric)} on the model's output of "
-                                  f"{describe(output)} and labels of {describe(target)} raised "
-                                  f"{error_line(err)}; expected a metric that takes them {FULL_ERROR_HINT}") from err
+                raise ConfigError(
+                    f"task.metrics.{name}: {_name(metric)} on the model's output of "
+                    f"{describe(output)} and labels of {describe(target)} raised "
+                    f"{error_line(err)}; expected a metric that takes them {FULL_ERROR_HINT}"
+                ) from err
         return super().check_batch(batch, split)
 
     def _forward_failed(self, inputs: torch.Tensor, split: str, err: Exception) -> ConfigError:
@@ -389,15 +445,18 @@ class ClassificationTask(Task):
         weights = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), None)
         embeds = any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in self.model.modules())
         if weights is not None and inputs.dtype != weights and not embeds:
-            return ConfigError(f"data.{split}: inputs of {describe(inputs)}, but the model's weights are "
-                               f"{_dtype(weights)} and its forward raised {error_line(err)}; expected "
-                               f"{_dtype(weights)} inputs (convert them in the dataset, e.g. with a transform)")
-        return ConfigError(f"model: forward on the first {split} batch, inputs of {describe(inputs)}, raised "
-                           f"{error_line(err)}; expected a model built for these inputs (model.input_shape="
-                           f"${{data.input_shape}} and its other sizes) {FULL_ERROR_HINT}")
+            return ConfigError(
+                f"data.{split}: inputs of {describe(inputs)}, but the model's weights are "
+                f"{_dtype(weights)} and its forward raised {error_line(err)}; expected "
+                f"{_dtype(weights)} inputs (convert them in the dataset, e.g. with a transform)"
+            )
+        return ConfigError(
+            f"model: forward on the first {split} batch, inputs of {describe(inputs)}, raised "
+            f"{error_line(err)}; expected a model built for these inputs (model.input_shape="
+            f"${{data.input_shape}} and its other sizes) {FULL_ERROR_HINT}"
+        )
 
-    def _check_labels(self, output: torch.Tensor, target: torch.Tensor, split: str,
-                      num_classes: Optional[int]) -> None:
+    def _check_labels(self, output: torch.Tensor, target: torch.Tensor, split: str, num_classes: Optional[int]) -> None:
         """Class indices out of range, before the loss sees them: on the CPU the loss raises an IndexError, on
         CUDA a device-side assert ends the process."""
         ignore = getattr(self.loss, "ignore_index", None)
@@ -409,17 +468,22 @@ class ClassificationTask(Task):
         seen = f"labels of {describe(target)} with values {low}..{high}"
         if low < 0:
             ignored = f" (or {ignore}, task.loss.ignore_index)" if ignore is not None else ""
-            raise ConfigError(f"data.{split}: its first batch has {seen}; expected class indices "
-                              f"0..{classes - 1}{ignored}")
+            raise ConfigError(
+                f"data.{split}: its first batch has {seen}; expected class indices 0..{classes - 1}{ignored}"
+            )
         if high < classes:
             return
         where = f"in the first {split} batch (task.loss: {_name(self.loss)})"
         if num_classes is not None and high >= num_classes:
-            raise ConfigError(f"data.num_classes={num_classes}: the model's output of {describe(output)} does not "
-                              f"fit {seen} {where}; expected data.num_classes >= {high + 1}, one score per class")
-        raise ConfigError(f"model: output of {describe(output)} does not fit {seen} {where}; expected "
-                          f"{num_classes or f'at least {high + 1}'} scores per sample, one per class "
-                          "(model.num_classes=${data.num_classes})")
+            raise ConfigError(
+                f"data.num_classes={num_classes}: the model's output of {describe(output)} does not "
+                f"fit {seen} {where}; expected data.num_classes >= {high + 1}, one score per class"
+            )
+        raise ConfigError(
+            f"model: output of {describe(output)} does not fit {seen} {where}; expected "
+            f"{num_classes or f'at least {high + 1}'} scores per sample, one per class "
+            "(model.num_classes=${data.num_classes})"
+        )
 
 
 def describe(value: Any) -> str:

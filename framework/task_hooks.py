@@ -12,6 +12,7 @@ state (framework/state.py).
 A Lightning hook whose job a config group does here is refused with one line naming what replaces it; a name
 the framework neither calls nor knows is the task's own business and is left alone.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -22,7 +23,7 @@ from framework.errors import ConfigError
 # LightningModule methods the loop does not call, and what does their job here.
 REPLACED = {
     "configure_optimizers": "the optimizer and scheduler config groups (optimizer=..., scheduler=..., "
-                            "optimizer.param_groups for per-group options)",
+    "optimizer.param_groups for per-group options)",
     "configure_callbacks": "the callbacks config group (+callbacks.NAME={_target_: ...})",
     "configure_gradient_clipping": "trainer.grad_clip_norm or trainer.grad_clip_value",
     "configure_model": "the model config group (parallel=fsdp shards it)",
@@ -69,9 +70,20 @@ _CALLED: dict[str, tuple[str, Callable[..., tuple]]] = {
 }
 # Called by the trainer itself: setup("fit") once the task is built, before the model is placed, compiled or wrapped
 # (as Lightning does, so parameters made there are trained); evaluation's epoch hooks; checkpoint hooks.
-_OTHERS = ("setup", "teardown", "on_validation_epoch_start", "on_validation_epoch_end", "on_test_epoch_start",
-           "on_test_epoch_end", "on_validation_batch_start", "on_validation_batch_end", "on_test_batch_start",
-           "on_test_batch_end", "on_save_checkpoint", "on_load_checkpoint")
+_OTHERS = (
+    "setup",
+    "teardown",
+    "on_validation_epoch_start",
+    "on_validation_epoch_end",
+    "on_test_epoch_start",
+    "on_test_epoch_end",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
+    "on_test_batch_start",
+    "on_test_batch_end",
+    "on_save_checkpoint",
+    "on_load_checkpoint",
+)
 CALLED = tuple(sorted({name for name, _ in _CALLED.values()} | set(_OTHERS)))
 
 
@@ -86,8 +98,10 @@ def refuse_replaced(task: Any) -> None:
     """One line for the first Lightning hook the task defines whose job a config group does here."""
     for name, instead in REPLACED.items():
         if defines(task, name):
-            raise ConfigError(f"task: {type(task).__name__}.{name} is Lightning's, and this framework does not call "
-                              f"it; expected it removed, and instead {instead}")
+            raise ConfigError(
+                f"task: {type(task).__name__}.{name} is Lightning's, and this framework does not call "
+                f"it; expected it removed, and instead {instead}"
+            )
 
 
 def task_callback(task: Any) -> Optional[Callback]:
@@ -104,6 +118,7 @@ def task_callback(task: Any) -> Optional[Callback]:
 def _caller(name: str, convert: Callable[..., tuple]) -> Callable[..., None]:
     def call(self: Callback, trainer: Any, task: Any, *args: Any) -> None:
         getattr(task, name)(*convert(*args))
+
     call.__name__ = name
     return call
 

@@ -5,6 +5,7 @@ The plain SCALARS / TIME SERIES pages group tags by their prefix in alphabetical
 monitored metric(s) and the learning rate of every parameter group on the first screen, the rest after.
 Pass it to `SummaryWriter.add_custom_scalars` once per run.
 """
+
 from __future__ import annotations
 
 import re

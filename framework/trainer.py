@@ -7,6 +7,7 @@ One training step, top to bottom, is in `_train_epoch`: batch -> autocast forwar
 `accumulate_grad_batches`) unscale/clip/step -> scheduler -> callbacks -> log -> stop? -> validate/checkpoint.
 At an epoch's end, `_end_epoch`: callbacks -> epoch means -> validation -> epoch scheduler -> checkpoint.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +37,13 @@ from framework.task import StepOutput, as_step_output
 log = logging.getLogger(__name__)
 
 
-def train(cfg: DictConfig, run_dir: Path, resume_from: Union[None, Path, Checkpoint] = None,
-          hparams: Optional[dict[str, Any]] = None, choices: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def train(
+    cfg: DictConfig,
+    run_dir: Path,
+    resume_from: Union[None, Path, Checkpoint] = None,
+    hparams: Optional[dict[str, Any]] = None,
+    choices: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
     """Build the Trainer and fit: the one place a run is started, in this process or in a spawned worker."""
     if cfg.trainer.malloc_tuning:
         allocator.keep_freed_memory()  # each step reuses the memory the last one freed (framework/allocator.py)
@@ -74,9 +80,11 @@ def _anomaly_as_error(enabled: bool, progress: Any, run_dir: Path) -> Iterator[N
         if not enabled or "nan values" not in str(err):
             raise
         p = progress
-        raise UserError(f"trainer.detect_anomaly: {error_line(err).rstrip('.')} at step {p.step + 1} (epoch "
-                        f"{p.epoch}, batch {p.batch_in_epoch}); the forward that made it is in the traceback printed "
-                        f"above; what was already written in {run_dir} is kept") from err
+        raise UserError(
+            f"trainer.detect_anomaly: {error_line(err).rstrip('.')} at step {p.step + 1} (epoch "
+            f"{p.epoch}, batch {p.batch_in_epoch}); the forward that made it is in the traceback printed "
+            f"above; what was already written in {run_dir} is kept"
+        ) from err
 
 
 class Trainer(Run):
@@ -102,7 +110,10 @@ class Trainer(Run):
             try:
                 self._start_hooks()
                 anomaly = self.cfg.trainer.detect_anomaly
-                with torch.autograd.set_detect_anomaly(anomaly), _anomaly_as_error(anomaly, self.progress, self.run_dir):
+                with (
+                    torch.autograd.set_detect_anomaly(anomaly),
+                    _anomaly_as_error(anomaly, self.progress, self.run_dir),
+                ):
                     while not self._finished():
                         self._train_epoch(watch)
                         if self.progress.batch_in_epoch >= self.train_batches:  # a whole epoch, not a stop mid-epoch
@@ -171,11 +182,16 @@ class Trainer(Run):
         step when this step is due), then on_train_epoch_end (current_epoch still this epoch's), then the epoch
         counts as complete: the epoch scheduler and the checkpoint policies (periodic, top-k, last)."""
         p = self.progress
-        lrs = {f"lr/{name}": group["lr"] for name, group in zip(self.param_group_names, self.optimizer.param_groups)
-               if p.step % self.log_every_n_steps}  # a point every epoch, unless this step's logging wrote one
+        lrs = {
+            f"lr/{name}": group["lr"]
+            for name, group in zip(self.param_group_names, self.optimizer.param_groups)
+            if p.step % self.log_every_n_steps
+        }  # a point every epoch, unless this step's logging wrote one
         train = self.metric_logger.end_epoch(self.task, p.step, lrs)
         t = self.cfg.trainer
-        due = (p.epoch + 1) % t.val_every_n_epochs == 0 or (t.val_every_n_steps > 0 and p.step % t.val_every_n_steps == 0)
+        due = (p.epoch + 1) % t.val_every_n_epochs == 0 or (
+            t.val_every_n_steps > 0 and p.step % t.val_every_n_steps == 0
+        )
         val = self._validation_round() if self.data.has("val") and due and p.last_val_step != p.step else None
         self._epoch_hook("on_train_epoch_end")
         train.update(self.metric_logger.end_epoch(self.task, p.step, {}))  # what the hooks logged
@@ -191,8 +207,11 @@ class Trainer(Run):
     def _report_epoch(self, train: dict[str, float], val: Optional[dict[str, float]]) -> None:
         started, first_step = self._started_at
         p, total = self.progress, self.max_steps if self.max_steps > 0 else self.max_epochs * self.steps_per_epoch
-        eta = (time.perf_counter() - started) / (p.step - first_step) * max(0, total - p.step) \
-            if p.step > first_step else None
+        eta = (
+            (time.perf_counter() - started) / (p.step - first_step) * max(0, total - p.step)
+            if p.step > first_step
+            else None
+        )
         self.metric_logger.report_epoch(p.step, train, val, self._epoch_rate, eta)
 
     def _on_exception(self, err: BaseException) -> None:
@@ -226,17 +245,27 @@ class Trainer(Run):
         p, task, logger = self.progress, self.task, self.metric_logger
         task.train()
         self._epoch_hook("on_train_epoch_start")
-        self.bar.start_epoch(p.epoch, self.train_batches, initial=p.batch_in_epoch,
-                             max_epochs=0 if self.max_steps > 0 else self.max_epochs)
+        self.bar.start_epoch(
+            p.epoch,
+            self.train_batches,
+            initial=p.batch_in_epoch,
+            max_epochs=0 if self.max_steps > 0 else self.max_epochs,
+        )
         batches = self._train_batches()
         training_step, batch_size, losses = self.training_step, task.batch_size, logger.window.losses
-        precision, bar, where = self.precision, self.bar if self.bar.enabled else None, f"{type(task).__name__}.training_step"
+        precision, bar, where = (
+            self.precision,
+            self.bar if self.bar.enabled else None,
+            f"{type(task).__name__}.training_step",
+        )
         autocast = precision.autocast if precision.dtype is not None else None
         to_device = None if self.device.type == "cpu" else move_to  # batches are made on the CPU
         no_sync = self.strategy.no_sync(self.model) if self.accumulate > 1 else None
         plain = contextlib.nullcontext()
-        batch_start, before_backward, after_backward, batch_end = (self.callbacks.bound(hook) for hook in (
-            "on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end"))
+        batch_start, before_backward, after_backward, batch_end = (
+            self.callbacks.bound(hook)
+            for hook in ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end")
+        )
         accumulate, train_batches = self.accumulate, self.train_batches
         clock = time.perf_counter
         epoch_start, samples, first_batch, data_wait = clock(), 0, p.batch_in_epoch, 0.0
@@ -248,13 +277,14 @@ class Trainer(Run):
                 break
             if to_device is not None:
                 batch = to_device(batch, self.device)
-            steps_now = accumulate == 1 or (p.batch_in_epoch + 1) % accumulate == 0 \
-                or p.batch_in_epoch + 1 == train_batches
+            steps_now = (
+                accumulate == 1 or (p.batch_in_epoch + 1) % accumulate == 0 or p.batch_in_epoch + 1 == train_batches
+            )
             n = logger.batch_n = batch_size(batch)  # what the task logs in this step is weighted by it
             if batch_start is not None:
                 batch_start(self, task, batch, p.batch_in_epoch)
-            with (plain if no_sync is None or steps_now else no_sync()):  # one all-reduce per optimizer step
-                with (autocast() if autocast is not None else plain):
+            with plain if no_sync is None or steps_now else no_sync():  # one all-reduce per optimizer step
+                with autocast() if autocast is not None else plain:
                     out = training_step(batch, p.batch_in_epoch)
                 if type(out) is not StepOutput:  # a loss tensor or a dict with "loss", as in Lightning
                     out = as_step_output(out, where, training=True)
@@ -277,28 +307,43 @@ class Trainer(Run):
             if steps_now and self._after_step(watch):
                 break
         self._epoch_rate = samples / (clock() - epoch_start) if samples else self._epoch_rate
-        logger.epoch_perf(p.step, samples, p.batch_in_epoch - first_batch, clock() - epoch_start, data_wait,
-                          _max_memory_mb(self.device))
+        logger.epoch_perf(
+            p.step,
+            samples,
+            p.batch_in_epoch - first_batch,
+            clock() - epoch_start,
+            data_wait,
+            _max_memory_mb(self.device),
+        )
 
     def _train_batches(self) -> Iterator[Any]:
         """This epoch's batches from where it stands (under overfit_batches, the same ones every epoch)."""
         p = self.progress
         if self.evaluator.overfit:
             return iter(itertools.islice(self.evaluator.overfit_batches(), p.batch_in_epoch, self.train_batches))
-        return iter(itertools.islice(self.data.batches("train", p.epoch, start_batch=p.batch_in_epoch),
-                                     self.train_batches - p.batch_in_epoch))
+        return iter(
+            itertools.islice(
+                self.data.batches("train", p.epoch, start_batch=p.batch_in_epoch), self.train_batches - p.batch_in_epoch
+            )
+        )
 
     def _optimizer_step(self) -> None:
-        stepped = self.precision.step(self.optimizer, self.params, self._clip_norm, self._clip_value,
-                                      before_step=self._before_step)
+        stepped = self.precision.step(
+            self.optimizer, self.params, self._clip_norm, self._clip_value, before_step=self._before_step
+        )
         if self._before_zero_grad is not None:
             self._before_zero_grad(self, self.task, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step += 1
         # The scheduler follows the optimizer, and does not advance for a step the GradScaler skipped.
         s = self.scheduler
-        if stepped and s is not None and s.interval == "step" and s.monitor is None \
-                and self.progress.step % s.frequency == 0:
+        if (
+            stepped
+            and s is not None
+            and s.interval == "step"
+            and s.monitor is None
+            and self.progress.step % s.frequency == 0
+        ):
             s.scheduler.step()
 
     def _after_step(self, watch: Any) -> bool:
@@ -335,10 +380,15 @@ class Trainer(Run):
         self.checkpoints.save_now(self.state, self.progress.step, "last")
         self.checkpoints.writer.wait()
         p = self.progress
-        stopped = f"Stopped by {signal.Signals(signum).name} at step {p.step} (epoch {p.epoch}, batch {p.batch_in_epoch})"
+        stopped = (
+            f"Stopped by {signal.Signals(signum).name} at step {p.step} (epoch {p.epoch}, batch {p.batch_in_epoch})"
+        )
         self.logger.log_text("history", stopped, p.step)
-        raise Interrupted(signum, f"{stopped}; saved {self.checkpoints.folder / 'last'}. Resume with: python run.py "
-                                  f"resume={self.run_dir}", getattr(watch, "previous", lambda _: None)(signum))
+        raise Interrupted(
+            signum,
+            f"{stopped}; saved {self.checkpoints.folder / 'last'}. Resume with: python run.py resume={self.run_dir}",
+            getattr(watch, "previous", lambda _: None)(signum),
+        )
 
     # ------------------------------------------------------------------ evaluation
     def _validate(self) -> dict[str, float]:
@@ -362,8 +412,9 @@ class Trainer(Run):
         self._val_checked = True
         for key, monitor in self._monitors().items():
             if monitor not in metrics:
-                raise ConfigError(f"{key}={monitor!r}: no such metric in the first validation; expected one of "
-                                  f"{', '.join(metrics)}")
+                raise ConfigError(
+                    f"{key}={monitor!r}: no such metric in the first validation; expected one of {', '.join(metrics)}"
+                )
 
     def _validation_round(self) -> dict[str, float]:
         """A validation during training (by epoch or by step), then the scheduler that monitors its metric."""

@@ -18,15 +18,16 @@ the state means: the trainer hands it plain nested dicts of tensors (DTensors to
 - `validation`: a loaded state checked against the live components before any of it is loaded;
 - `weights`: foreign weights for `init_from` and export.
 """
+
 from framework.checkpoint.discovery import find_latest
 from framework.checkpoint.format import (
-                                         META_FILE,
-                                         MODEL_FILE,
-                                         STATE_FILE,
-                                         CheckpointSaveError,
-                                         DamagedCheckpoint,
-                                         UnreadableCheckpoint,
-                                         digest,
+    META_FILE,
+    MODEL_FILE,
+    STATE_FILE,
+    CheckpointSaveError,
+    DamagedCheckpoint,
+    UnreadableCheckpoint,
+    digest,
 )
 from framework.checkpoint.load import MAX_META_BYTES, Checkpoint, open_checkpoint
 from framework.checkpoint.policies import CheckpointManager
@@ -36,7 +37,26 @@ from framework.checkpoint.validation import validate_rng_state, validate_state
 from framework.checkpoint.weights import check_compatible, load_weights
 from framework.checkpoint.writer import CheckpointWriter
 
-__all__ = ["MAX_META_BYTES", "META_FILE", "MODEL_FILE", "STATE_FILE", "Checkpoint", "CheckpointManager",
-           "CheckpointSaveError", "CheckpointWriter", "DamagedCheckpoint", "UnreadableCheckpoint", "check_compatible",
-           "digest", "find_latest", "link_checkpoint", "link_sharded", "load_weights", "open_checkpoint",
-           "validate_rng_state", "validate_state", "write_checkpoint", "write_sharded"]
+__all__ = [
+    "MAX_META_BYTES",
+    "META_FILE",
+    "MODEL_FILE",
+    "STATE_FILE",
+    "Checkpoint",
+    "CheckpointManager",
+    "CheckpointSaveError",
+    "CheckpointWriter",
+    "DamagedCheckpoint",
+    "UnreadableCheckpoint",
+    "check_compatible",
+    "digest",
+    "find_latest",
+    "link_checkpoint",
+    "link_sharded",
+    "load_weights",
+    "open_checkpoint",
+    "validate_rng_state",
+    "validate_state",
+    "write_checkpoint",
+    "write_sharded",
+]

@@ -1,5 +1,6 @@
 """Resume discovery: the newest intact checkpoint of a run, skipping (with a warning) whatever else its
 `checkpoints/` folder holds."""
+
 from __future__ import annotations
 
 import logging
@@ -12,6 +13,7 @@ from framework.checkpoint.format import DamagedCheckpoint, _kind, _name, _where
 from framework.checkpoint.load import Checkpoint, open_checkpoint
 
 log = logging.getLogger(__name__)
+
 
 def find_latest(run_dir: Path, below_step: Optional[int] = None) -> Optional[Checkpoint]:
     """The newest intact checkpoint of a run. Anything else in `checkpoints/` (a damaged checkpoint, a file,
@@ -63,8 +65,9 @@ def _candidates(folder: Path) -> list[Path]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     except OSError as err:
-        raise DamagedCheckpoint(f"{_name(folder)} cannot be listed ({err.strerror}); expected a readable "
-                                "folder of checkpoints") from None
+        raise DamagedCheckpoint(
+            f"{_name(folder)} cannot be listed ({err.strerror}); expected a readable folder of checkpoints"
+        ) from None
     found = []
     inside = os.path.realpath(folder)
     for name in entries:

@@ -14,6 +14,7 @@ shard of every sharded tensor (a DTensor's local part), and its own copy of ever
 `shards`: the number of ranks, and for each sharded tensor its global shape, the dimension it is split along
 and each rank's offset and length there (`chunk`), so that any number of ranks can read it back.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -86,8 +87,10 @@ def flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
         return [flatten(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
-    raise TypeError(f"checkpoint state at {path!r} holds a {type(obj).__name__}; expected tensors, "
-                    "containers and plain values (what state_dict() methods return)")
+    raise TypeError(
+        f"checkpoint state at {path!r} holds a {type(obj).__name__}; expected tensors, "
+        "containers and plain values (what state_dict() methods return)"
+    )
 
 
 def unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -140,9 +143,15 @@ def _join(futures: list[Future]) -> None:
             raise error
 
 
-_KINDS = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISLNK, "a symbolic link"))
+_KINDS = (
+    (stat.S_ISREG, "a regular file"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISLNK, "a symbolic link"),
+)
 
 
 def _kind(mode: int) -> str:
@@ -177,7 +186,7 @@ def _shown(value: Any, limit: int = 60) -> str:
     if isinstance(value, (list, tuple)):
         return f"a {type(value).__name__} of {len(value)} items"
     text = "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _key(key: Any) -> str:

@@ -11,6 +11,7 @@ Whatever a checkpoint directory holds (a damaged file, a FIFO or a link to a dev
 shape or of gigabytes, a structure that does not match its tensors), reading it ends in one
 `DamagedCheckpoint` line naming the file: never a hang, a traceback or unbounded memory.
 """
+
 from __future__ import annotations
 
 import json
@@ -78,14 +79,17 @@ def _regular_file(folder: Path, name: str) -> str:
         if stat.S_ISLNK(st.st_mode):
             real, inside = os.path.realpath(file), os.path.realpath(folder)
             if os.path.commonpath([real, inside]) != inside:
-                raise DamagedCheckpoint(f"{_where(folder)}: {name} is a symbolic link to {_name(real)}, outside the "
-                                        "checkpoint; expected a regular file")
+                raise DamagedCheckpoint(
+                    f"{_where(folder)}: {name} is a symbolic link to {_name(real)}, outside the "
+                    "checkpoint; expected a regular file"
+                )
             st = os.stat(real)
     except FileNotFoundError:
         raise DamagedCheckpoint(f"{_where(folder)}: {name} is missing") from None
     except OSError as err:
-        raise DamagedCheckpoint(f"{_where(folder)}: {name} cannot be read ({err.strerror}); expected a readable "
-                                "regular file") from None
+        raise DamagedCheckpoint(
+            f"{_where(folder)}: {name} cannot be read ({err.strerror}); expected a readable regular file"
+        ) from None
     if not stat.S_ISREG(st.st_mode):
         raise DamagedCheckpoint(f"{_where(folder)}: {name} is {_kind(st.st_mode)}; expected a regular file")
     return real
@@ -98,8 +102,9 @@ def _open_file(folder: Path, name: str) -> tuple[int, str]:
     try:
         fd = os.open(real, _READ_FLAGS)
     except OSError as err:
-        raise DamagedCheckpoint(f"{_where(folder)}: {name} cannot be read ({err.strerror}); expected a readable "
-                                "regular file") from None
+        raise DamagedCheckpoint(
+            f"{_where(folder)}: {name} cannot be read ({err.strerror}); expected a readable regular file"
+        ) from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
@@ -125,11 +130,13 @@ def _check_directory(path: Path) -> None:
     except FileNotFoundError:
         raise DamagedCheckpoint(f"{_where(path)}: no such directory; expected a checkpoint directory") from None
     except OSError as err:
-        raise DamagedCheckpoint(f"{_where(path)} cannot be read ({err.strerror}); expected a readable "
-                                "checkpoint directory") from None
+        raise DamagedCheckpoint(
+            f"{_where(path)} cannot be read ({err.strerror}); expected a readable checkpoint directory"
+        ) from None
     if not stat.S_ISDIR(mode):
-        raise DamagedCheckpoint(f"{_where(path)} is {_kind(mode)}; expected a directory holding {MODEL_FILE}, "
-                                f"{STATE_FILE} and {META_FILE}")
+        raise DamagedCheckpoint(
+            f"{_where(path)} is {_kind(mode)}; expected a directory holding {MODEL_FILE}, {STATE_FILE} and {META_FILE}"
+        )
 
 
 def _read_meta(path: Path) -> Any:
@@ -139,14 +146,17 @@ def _read_meta(path: Path) -> Any:
         size = os.fstat(fd).st_size
         data = f.read(MAX_META_BYTES + 1) if size <= MAX_META_BYTES else b""
     if size > MAX_META_BYTES or len(data) > MAX_META_BYTES:
-        raise DamagedCheckpoint(f"{_where(path)}: {META_FILE} is {max(size, len(data))} bytes, over the "
-                                f"{MAX_META_BYTES // 2**20} MiB it may have; expected counters, metrics, the config "
-                                "and the state's structure (a few KiB)")
+        raise DamagedCheckpoint(
+            f"{_where(path)}: {META_FILE} is {max(size, len(data))} bytes, over the "
+            f"{MAX_META_BYTES // 2**20} MiB it may have; expected counters, metrics, the config "
+            "and the state's structure (a few KiB)"
+        )
     try:
         return json.loads(data)
     except RecursionError:
-        raise DamagedCheckpoint(f"{_where(path)}: {META_FILE} is nested too deeply to read; expected at most "
-                                f"{MAX_META_DEPTH} levels") from None
+        raise DamagedCheckpoint(
+            f"{_where(path)}: {META_FILE} is nested too deeply to read; expected at most {MAX_META_DEPTH} levels"
+        ) from None
     except ValueError as err:  # bad JSON, bad UTF-8, an integer of over 4300 digits
         raise DamagedCheckpoint(f"{_where(path)}: {META_FILE} is not valid JSON ({err})") from None
 
@@ -171,14 +181,19 @@ def _check_meta(path: Path, meta: Any) -> None:
     version = meta.get("format_version")
     if not _is_int(version) or version not in READABLE_VERSIONS:
         if _is_int(version) and version > max(READABLE_VERSIONS):
-            raise UnreadableCheckpoint(f"{where}: format version {version} comes from a newer version of "
-                                       f"this framework, which reads versions {', '.join(map(str, READABLE_VERSIONS))}"
-                                       "; expected one of those (upgrade the framework to load it)")
-        raise DamagedCheckpoint(f"{where} has format_version={_shown(version)}; expected one of "
-                                f"{', '.join(map(str, READABLE_VERSIONS))}")
+            raise UnreadableCheckpoint(
+                f"{where}: format version {version} comes from a newer version of "
+                f"this framework, which reads versions {', '.join(map(str, READABLE_VERSIONS))}"
+                "; expected one of those (upgrade the framework to load it)"
+            )
+        raise DamagedCheckpoint(
+            f"{where} has format_version={_shown(version)}; expected one of {', '.join(map(str, READABLE_VERSIONS))}"
+        )
     if _too_deep(meta, MAX_META_DEPTH):
-        raise DamagedCheckpoint(f"{where} is nested more than {MAX_META_DEPTH} levels deep; expected counters, "
-                                "metrics, the config and the state's structure")
+        raise DamagedCheckpoint(
+            f"{where} is nested more than {MAX_META_DEPTH} levels deep; expected counters, "
+            "metrics, the config and the state's structure"
+        )
     checksums = meta.get("checksums")
     if "checksums" in meta and not isinstance(checksums, dict):
         raise DamagedCheckpoint(f"{where} has checksums={_shown(checksums)}; expected an object of file checksums")
@@ -225,40 +240,54 @@ def _check_shards(path: Path, meta: dict[str, Any]) -> None:
         raise DamagedCheckpoint(f"{where} has shards={_shown(shards)}; expected the layout of a sharded checkpoint")
     n = shards.get("world_size")
     if not (_is_int(n) and 1 <= n <= _MAX_RANKS) or meta.get("world_size") != n:
-        raise DamagedCheckpoint(f"{where} has shards.world_size={_shown(n)} and world_size="
-                                f"{_shown(meta.get('world_size'))}; expected the same number of ranks, >= 1, in both")
+        raise DamagedCheckpoint(
+            f"{where} has shards.world_size={_shown(n)} and world_size="
+            f"{_shown(meta.get('world_size'))}; expected the same number of ranks, >= 1, in both"
+        )
     listed = len(meta.get("checksums") or {})
     if listed < 2 * n:  # (before any per-rank list is made: the checksums bound the ranks by meta.json's size)
-        raise DamagedCheckpoint(f"{where} has checksums of {listed} files for {n} ranks; expected two per rank, "
-                                f"model-rank<r>-of{n}.safetensors and state-rank<r>-of{n}.safetensors")
+        raise DamagedCheckpoint(
+            f"{where} has checksums of {listed} files for {n} ranks; expected two per rank, "
+            f"model-rank<r>-of{n}.safetensors and state-rank<r>-of{n}.safetensors"
+        )
     structures = shards.get("structures", {})
-    if not isinstance(structures, dict) or not all(isinstance(k, str) and k.isdigit() and 0 < int(k) < n
-                                                   for k in structures):
-        raise DamagedCheckpoint(f"{where} has shards.structures={_shown(structures)}; expected an object of rank "
-                                f"numbers 1..{n - 1} to structures")
+    if not isinstance(structures, dict) or not all(
+        isinstance(k, str) and k.isdigit() and 0 < int(k) < n for k in structures
+    ):
+        raise DamagedCheckpoint(
+            f"{where} has shards.structures={_shown(structures)}; expected an object of rank "
+            f"numbers 1..{n - 1} to structures"
+        )
     for kind in ("model", "state"):
         tensors = shards.get(kind)
         if not isinstance(tensors, dict):
-            raise DamagedCheckpoint(f"{where} has shards.{kind}={_shown(tensors)}; expected an object of tensor names "
-                                    "to their layout")
+            raise DamagedCheckpoint(
+                f"{where} has shards.{kind}={_shown(tensors)}; expected an object of tensor names to their layout"
+            )
         for key, entry in tensors.items():
             problem = _layout_problem(entry, n)
             if problem is not None:
-                raise DamagedCheckpoint(f"{where}: shards.{kind}.{_key(key)} {problem}; expected shape, dim, offsets "
-                                        f"and lengths of {n} parts tiling that dimension")
+                raise DamagedCheckpoint(
+                    f"{where}: shards.{kind}.{_key(key)} {problem}; expected shape, dim, offsets "
+                    f"and lengths of {n} parts tiling that dimension"
+                )
 
 
 def _layout_problem(entry: Any, n: int) -> Optional[str]:
     if not isinstance(entry, dict):
         return f"is {_shown(entry)}"
     shape, dim, offsets, lengths = (entry.get(k) for k in ("shape", "dim", "offsets", "lengths"))
-    if not (isinstance(shape, list) and 0 < len(shape) <= MAX_META_DEPTH
-            and all(_is_int(size) and 0 <= size <= _MAX_COUNTER for size in shape)):
+    if not (
+        isinstance(shape, list)
+        and 0 < len(shape) <= MAX_META_DEPTH
+        and all(_is_int(size) and 0 <= size <= _MAX_COUNTER for size in shape)
+    ):
         return f"has shape={_shown(shape)}"
     if not (_is_int(dim) and 0 <= dim < len(shape)):
         return f"has dim={_shown(dim)} for a shape of {len(shape)} dimensions"
-    if not all(isinstance(v, list) and len(v) == n and all(_is_int(x) and x >= 0 for x in v)
-               for v in (offsets, lengths)):
+    if not all(
+        isinstance(v, list) and len(v) == n and all(_is_int(x) and x >= 0 for x in v) for v in (offsets, lengths)
+    ):
         return f"has offsets={_shown(offsets)} and lengths={_shown(lengths)}"
     covered = 0
     for offset, length in sorted((o, l) for o, l in zip(offsets, lengths) if l):
@@ -279,8 +308,9 @@ def _structure_refs(path: Path, structure: Any) -> list[str]:
     refs: list[str] = []
 
     def malformed(at: str, why: str) -> DamagedCheckpoint:
-        return DamagedCheckpoint(f"{_where(path)}: {META_FILE} structure at {at or '/'} {why}; expected what "
-                                 "checkpoint.flatten writes")
+        return DamagedCheckpoint(
+            f"{_where(path)}: {META_FILE} structure at {at or '/'} {why}; expected what checkpoint.flatten writes"
+        )
 
     def walk(node: Any, at: str) -> None:
         if isinstance(node, list):
@@ -333,8 +363,10 @@ def _check_refs(path: Path, refs: list[str], names: Iterable[str], file: str = S
     if twice:
         problems.append(f"it refers twice to {_keys(twice)}")
     if problems:
-        raise DamagedCheckpoint(f"{_where(path)}: {META_FILE} structure does not match {file} "
-                                f"({'; '.join(problems)}); expected the files of one save")
+        raise DamagedCheckpoint(
+            f"{_where(path)}: {META_FILE} structure does not match {file} "
+            f"({'; '.join(problems)}); expected the files of one save"
+        )
 
 
 def _verify(path: Path, name: str, fd: int, meta: dict[str, Any]) -> None:
@@ -344,8 +376,10 @@ def _verify(path: Path, name: str, fd: int, meta: dict[str, Any]) -> None:
 
 
 def _not_safetensors(path: Path, name: str, err: Exception) -> DamagedCheckpoint:
-    return DamagedCheckpoint(f"{_where(path)}: {name} is not a valid safetensors file "
-                             f"({str(err).splitlines()[0] if str(err) else type(err).__name__})")
+    return DamagedCheckpoint(
+        f"{_where(path)}: {name} is not a valid safetensors file "
+        f"({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+    )
 
 
 def _tensor_names(path: Path, name: str, fd: int, real: str) -> list[str]:
@@ -460,15 +494,19 @@ class Checkpoint:
             elif high <= low:
                 continue
             piece = files.get(saved_rank).get_slice(key)
-            expected = shape[:dim] + [saved_length] + shape[dim + 1:]
+            expected = shape[:dim] + [saved_length] + shape[dim + 1 :]
             if list(piece.get_shape()) != expected:
-                raise DamagedCheckpoint(f"{_where(self.path)}: {files.name(saved_rank)} holds {_key(key)} of shape "
-                                        f"{tuple(piece.get_shape())}; expected {tuple(expected)} as {META_FILE} says")
+                raise DamagedCheckpoint(
+                    f"{_where(self.path)}: {files.name(saved_rank)} holds {_key(key)} of shape "
+                    f"{tuple(piece.get_shape())}; expected {tuple(expected)} as {META_FILE} says"
+                )
             dtypes.add(piece.get_dtype())
             pieces.append(piece[(slice(None),) * dim + (slice(low - offset, high - offset),)])
         if len(dtypes) > 1:
-            raise DamagedCheckpoint(f"{_where(self.path)}: the shards of {_key(key)} have different dtypes "
-                                    f"({', '.join(sorted(dtypes))}); expected the files of one save")
+            raise DamagedCheckpoint(
+                f"{_where(self.path)}: the shards of {_key(key)} have different dtypes "
+                f"({', '.join(sorted(dtypes))}); expected the files of one save"
+            )
         return torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0].clone()
 
 
@@ -482,8 +520,9 @@ def _dtensor(part: torch.Tensor, mesh: Any, entry: dict[str, Any]) -> torch.Tens
     from torch.distributed.tensor import DTensor, Shard
 
     shape = torch.Size(entry["shape"])
-    return DTensor.from_local(part, mesh, [Shard(entry["dim"])], run_check=False, shape=shape,
-                              stride=_contiguous_stride(shape))
+    return DTensor.from_local(
+        part, mesh, [Shard(entry["dim"])], run_check=False, shape=shape, stride=_contiguous_stride(shape)
+    )
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -532,7 +571,7 @@ def _verify_files(path: Path, meta: dict[str, Any]) -> dict[str, tuple[int, int,
     for first in range(0, len(files), 2):  # a sharded checkpoint of many ranks: two files open at a time
         opened: dict[str, tuple[int, str]] = {}
         try:
-            for name in files[first:first + 2]:
+            for name in files[first : first + 2]:
                 opened[name] = _open_file(path, name)
             _join([_in_helper(_verify, path, name, fd, meta) for name, (fd, _) in opened.items()])
             for name, (fd, real) in opened.items():
@@ -558,8 +597,10 @@ def _check_names(path: Path, meta: dict[str, Any], name: str, names: list[str]) 
         _check_refs(path, _structure_refs(path, structure), names, name)
     missing = [key for key in shards[kind] if key not in names]
     if missing:
-        raise DamagedCheckpoint(f"{_where(path)}: {name} lacks the sharded tensors {_keys(missing)} that "
-                                f"{META_FILE} describes; expected the files of one save")
+        raise DamagedCheckpoint(
+            f"{_where(path)}: {name} lacks the sharded tensors {_keys(missing)} that "
+            f"{META_FILE} describes; expected the files of one save"
+        )
 
 
 def open_checkpoint(path: Path, verify: bool = True) -> Checkpoint:

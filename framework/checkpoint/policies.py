@@ -1,6 +1,7 @@
 """Save policies: when to save (`last`, periodic `step-N`, the top-k by a metric as `best`) and which
 checkpoints to keep. For a sharded run (`shards`: the ranks saving together) every rank writes its own files of
 each checkpoint (framework/checkpoint/sharded.py); links and pruning are still rank 0's."""
+
 from __future__ import annotations
 
 import shutil
@@ -61,16 +62,18 @@ class CheckpointManager:
     def due_periodic(self, step: int, completed_epochs: Optional[int] = None) -> bool:
         """Is a periodic checkpoint due? `completed_epochs` is given only at the end of an epoch."""
         by_step = self.every_n_steps > 0 and step % self.every_n_steps == 0
-        by_epoch = (completed_epochs is not None and self.every_n_epochs > 0
-                    and completed_epochs % self.every_n_epochs == 0)
+        by_epoch = (
+            completed_epochs is not None and self.every_n_epochs > 0 and completed_epochs % self.every_n_epochs == 0
+        )
         return by_step or by_epoch
 
     def improves(self, metrics: Optional[dict[str, float]]) -> bool:
         if metrics is None or self.save_top_k == 0 or self.monitor is None:
             return False
         if self.monitor not in metrics:
-            raise ConfigError(f"checkpoint.monitor={self.monitor!r}: no such metric; expected one of "
-                              f"{', '.join(metrics)}")
+            raise ConfigError(
+                f"checkpoint.monitor={self.monitor!r}: no such metric; expected one of {', '.join(metrics)}"
+            )
         if self.save_top_k < 0 or len(self.top_k) < self.save_top_k:
             return True
         worst = self.top_k[-1][0]
@@ -97,9 +100,9 @@ class CheckpointManager:
             self.top_k.append((metrics[self.monitor], name))
             self.top_k.sort(key=lambda item: item[0], reverse=self.mode == "max")
             if self.save_top_k > 0:
-                del self.top_k[self.save_top_k:]
+                del self.top_k[self.save_top_k :]
         if self.keep_last >= 0 and len(self.periodic) > self.keep_last:
-            self.periodic = self.periodic[len(self.periodic) - self.keep_last:] if self.keep_last else []
+            self.periodic = self.periodic[len(self.periodic) - self.keep_last :] if self.keep_last else []
         self._write(state, step, target)
         if not self.enabled:
             return
@@ -124,8 +127,12 @@ class CheckpointManager:
     def _prune(self, kept: set[str]) -> None:
         """Delete `step-N` folders that no policy keeps any more."""
         for path in self.folder.glob("step-*"):  # never through a link: only folders this run wrote
-            if path.is_dir() and not path.is_symlink() and not path.name.endswith((".tmp", ".old")) \
-                    and path.name not in kept:
+            if (
+                path.is_dir()
+                and not path.is_symlink()
+                and not path.name.endswith((".tmp", ".old"))
+                and path.name not in kept
+            ):
                 shutil.rmtree(path, ignore_errors=True)
 
     def best_path(self) -> Optional[Path]:
@@ -147,13 +154,19 @@ class CheckpointManager:
             raise _mismatch(where, state, {"periodic": [], "top_k": []})
         periodic, top_k = state.get("periodic", []), state.get("top_k", [])
         if not isinstance(periodic, list) or not all(isinstance(name, str) for name in periodic):
-            raise DamagedCheckpoint(f"{where}/periodic: the checkpoint holds {_shown(periodic)} that is not a list "
-                                    "of checkpoint names; expected names such as step-500")
+            raise DamagedCheckpoint(
+                f"{where}/periodic: the checkpoint holds {_shown(periodic)} that is not a list "
+                "of checkpoint names; expected names such as step-500"
+            )
         if not isinstance(top_k, list):
-            raise DamagedCheckpoint(f"{where}/top_k: the checkpoint holds {_shown(top_k)}; expected a list of "
-                                    "[metric value, checkpoint name]")
+            raise DamagedCheckpoint(
+                f"{where}/top_k: the checkpoint holds {_shown(top_k)}; expected a list of "
+                "[metric value, checkpoint name]"
+            )
         for i, item in enumerate(top_k):
-            if not (isinstance(item, (list, tuple)) and len(item) == 2 and _is_number(item[0])
-                    and isinstance(item[1], str)):
-                raise DamagedCheckpoint(f"{where}/top_k/{i}: the checkpoint holds {_shown(item)}; expected [metric "
-                                        "value, checkpoint name]")
+            if not (
+                isinstance(item, (list, tuple)) and len(item) == 2 and _is_number(item[0]) and isinstance(item[1], str)
+            ):
+                raise DamagedCheckpoint(
+                    f"{where}/top_k/{i}: the checkpoint holds {_shown(item)}; expected [metric value, checkpoint name]"
+                )

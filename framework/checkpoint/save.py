@@ -1,5 +1,6 @@
 """Atomic writes: a checkpoint is written as `NAME.tmp/`, flushed to disk, then renamed into place, so a crash
 mid-save never damages an existing checkpoint; `last` and `best` are hard-linked copies made the same way."""
+
 from __future__ import annotations
 
 import bisect
@@ -30,6 +31,7 @@ from framework.checkpoint.format import (
 
 log = logging.getLogger(__name__)
 
+
 def _save_error(path: Path, err: BaseException) -> CheckpointSaveError:
     if isinstance(err, OSError) and err.strerror:
         file = Path(err.filename) if isinstance(err.filename, (str, Path)) else None
@@ -37,8 +39,10 @@ def _save_error(path: Path, err: BaseException) -> CheckpointSaveError:
         reason = f"{shown}: {err.strerror}" if shown is not None else err.strerror
     else:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-    return CheckpointSaveError(f"could not save checkpoint {path} ({reason}); the previous checkpoints are kept. "
-                               f"Expected free space and write permission in {path.parent}")
+    return CheckpointSaveError(
+        f"could not save checkpoint {path} ({reason}); the previous checkpoints are kept. "
+        f"Expected free space and write permission in {path.parent}"
+    )
 
 
 def _discard(tmp: Path) -> None:
@@ -116,8 +120,9 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_checkpoint(path: Path, model_state: dict[str, torch.Tensor], state: dict[str, Any],
-                     meta: dict[str, Any], durable: bool = True) -> None:
+def write_checkpoint(
+    path: Path, model_state: dict[str, torch.Tensor], state: dict[str, Any], meta: dict[str, Any], durable: bool = True
+) -> None:
     """Write atomically: everything goes to `path.tmp/`, then one rename makes it visible.
 
     `durable`: flush every file and the directory to disk before and after the rename (fsync), so that even a

@@ -9,6 +9,7 @@ at most `NAME.tmp/`, which discovery ignores, and the previous checkpoints intac
 one CheckpointSaveError on every rank. Saves are inline: the ranks agree through collectives, which a
 background thread must not interleave with training's own.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,20 +59,30 @@ def local_shards(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
             continue
         placements, mesh = tensor.placements, tensor.device_mesh
         if mesh.ndim != 1 or len(placements) != 1 or type(placements[0]) is not Shard:
-            raise TypeError(f"checkpoint state at {key!r} is a DTensor placed as {placements} on a {mesh.ndim}-d mesh; "
-                            "sharded checkpoints hold DTensors sharded along one dimension of a 1-d mesh (FSDP's)")
+            raise TypeError(
+                f"checkpoint state at {key!r} is a DTensor placed as {placements} on a {mesh.ndim}-d mesh; "
+                "sharded checkpoints hold DTensors sharded along one dimension of a 1-d mesh (FSDP's)"
+            )
         dim, part = placements[0].dim, tensor.to_local()
         offset, length = chunk(tensor.shape[dim], mesh.size(), mesh.get_local_rank())
         if part.shape[dim] != length:
-            raise RuntimeError(f"checkpoint state at {key!r}: this rank's shard has {part.shape[dim]} rows along "
-                               f"dimension {dim}, where torch.chunk's split gives {length}")
+            raise RuntimeError(
+                f"checkpoint state at {key!r}: this rank's shard has {part.shape[dim]} rows along "
+                f"dimension {dim}, where torch.chunk's split gives {length}"
+            )
         local[key] = part
         layout[key] = {"shape": list(tensor.shape), "dim": dim, "offset": offset, "length": length}
     return local, layout
 
 
-def write_sharded(path: Path, model_state: dict[str, torch.Tensor], state: dict[str, Any], meta: dict[str, Any],
-                  ranks: Ranks, durable: bool = True) -> None:
+def write_sharded(
+    path: Path,
+    model_state: dict[str, torch.Tensor],
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    ranks: Ranks,
+    durable: bool = True,
+) -> None:
     """Write this rank's files of checkpoint `path`; rank 0 then writes meta.json and renames `path.tmp/` into
     place. Every rank calls it, with its own tensors; `meta` is rank 0's. `durable` as for write_checkpoint."""
     tmp = path.with_name(path.name + ".tmp")
@@ -116,8 +127,9 @@ def _agree(failures: list[Optional[str]]) -> None:
         raise CheckpointSaveError(failure)
 
 
-def _write_own(tmp: Path, model_state: dict[str, torch.Tensor], state: dict[str, Any], ranks: Ranks,
-               durable: bool) -> dict[str, Any]:
+def _write_own(
+    tmp: Path, model_state: dict[str, torch.Tensor], state: dict[str, Any], ranks: Ranks, durable: bool
+) -> dict[str, Any]:
     """This rank's two files in `tmp`; returns what rank 0 needs for meta.json."""
     tensors: dict[str, torch.Tensor] = {}
     structure = flatten(state, tensors)
@@ -145,15 +157,29 @@ def _meta(meta: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]
     first = records[0]
     layout: dict[str, Any] = {"world_size": len(records)}
     for kind in ("model", "state"):
-        layout[kind] = {key: {"shape": entry["shape"], "dim": entry["dim"],
-                              "offsets": [record[kind][key]["offset"] for record in records],
-                              "lengths": [record[kind][key]["length"] for record in records]}
-                        for key, entry in first[kind].items()}
-    layout["structures"] = {str(rank): record["structure"] for rank, record in enumerate(records)
-                            if rank and record["structure"] != first["structure"]}
+        layout[kind] = {
+            key: {
+                "shape": entry["shape"],
+                "dim": entry["dim"],
+                "offsets": [record[kind][key]["offset"] for record in records],
+                "lengths": [record[kind][key]["length"] for record in records],
+            }
+            for key, entry in first[kind].items()
+        }
+    layout["structures"] = {
+        str(rank): record["structure"]
+        for rank, record in enumerate(records)
+        if rank and record["structure"] != first["structure"]
+    }
     checksums = {name: value for record in records for name, value in record["checksums"].items()}
-    return {**meta, "world_size": len(records), "format_version": SHARDED_VERSION, "structure": first["structure"],
-            "checksums": checksums, "shards": layout}
+    return {
+        **meta,
+        "world_size": len(records),
+        "format_version": SHARDED_VERSION,
+        "structure": first["structure"],
+        "checksums": checksums,
+        "shards": layout,
+    }
 
 
 def link_sharded(src: Path, dst: Path, world_size: int, durable: bool = True) -> None:

@@ -1,5 +1,6 @@
 """Checking a loaded state against the live components before any of it is loaded, so a checkpoint that does
 not fit this run (or a damaged one) cannot leave it half-restored."""
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -10,8 +11,10 @@ from framework.checkpoint.format import DamagedCheckpoint, _is_int, _is_number, 
 
 
 def _mismatch(at: str, saved: Any, live: Any) -> DamagedCheckpoint:
-    return DamagedCheckpoint(f"{at}: the checkpoint holds {_shown(saved)}, expected {_shown(live)} as in this run "
-                             "(a checkpoint of another model, optimizer or config, or a damaged one)")
+    return DamagedCheckpoint(
+        f"{at}: the checkpoint holds {_shown(saved)}, expected {_shown(live)} as in this run "
+        "(a checkpoint of another model, optimizer or config, or a damaged one)"
+    )
 
 
 def validate_state(saved: Any, live: Any, where: str) -> None:
@@ -32,8 +35,11 @@ def validate_state(saved: Any, live: Any, where: str) -> None:
     not stepped) must be dicts belonging to parameters that `param_groups` lists."""
     if isinstance(live, torch.Tensor):
         variable = live.numel() == 0 and isinstance(saved, torch.Tensor) and saved.dim() == live.dim()
-        if not isinstance(saved, torch.Tensor) or saved.dtype != live.dtype or (saved.shape != live.shape
-                                                                                and not variable):
+        if (
+            not isinstance(saved, torch.Tensor)
+            or saved.dtype != live.dtype
+            or (saved.shape != live.shape and not variable)
+        ):
             raise _mismatch(where, saved, live)
     elif isinstance(live, dict):
         if not isinstance(saved, dict):
@@ -49,8 +55,9 @@ def validate_state(saved: Any, live: Any, where: str) -> None:
             raise _mismatch(where, saved, live)
         for i, value in enumerate(live):
             validate_state(saved[i], value, f"{where}/{i}")
-    elif isinstance(saved, (dict, list, tuple, torch.Tensor)) or (live is not None and _plain_kind(saved) !=
-                                                                   _plain_kind(live)):
+    elif isinstance(saved, (dict, list, tuple, torch.Tensor)) or (
+        live is not None and _plain_kind(saved) != _plain_kind(live)
+    ):
         raise _mismatch(where, saved, live)
 
 
@@ -63,10 +70,13 @@ def _same_keys(saved: dict, live: dict, where: str) -> None:
     unexpected = [k for k in saved if k not in live]
     if missing or unexpected:
         differences = ([f"lacks {_keys(missing)}"] if missing else []) + (
-            [f"has {_keys(unexpected)} too"] if unexpected else [])
-        raise DamagedCheckpoint(f"{where}: the checkpoint's state {' and '.join(differences)}; expected the keys "
-                                f"{_keys(list(live), 6)} as in this run (a checkpoint of another model, optimizer or "
-                                "config, or a damaged one)")
+            [f"has {_keys(unexpected)} too"] if unexpected else []
+        )
+        raise DamagedCheckpoint(
+            f"{where}: the checkpoint's state {' and '.join(differences)}; expected the keys "
+            f"{_keys(list(live), 6)} as in this run (a checkpoint of another model, optimizer or "
+            "config, or a damaged one)"
+        )
 
 
 def _validate_optimizer(saved: dict, live: dict, where: str) -> None:
@@ -77,16 +87,20 @@ def _validate_optimizer(saved: dict, live: dict, where: str) -> None:
     saved_ids = [i for group in saved["param_groups"] for i in group.get("params", [])]
     live_ids = [i for group in live["param_groups"] for i in group.get("params", [])]
     if not all(_is_int(i) for i in saved_ids) or len(set(saved_ids)) != len(saved_ids):
-        raise DamagedCheckpoint(f"{where}/param_groups: the parameter ids {_keys(saved_ids, 6)} are not distinct "
-                                "whole numbers; expected the ids torch.optim writes")
+        raise DamagedCheckpoint(
+            f"{where}/param_groups: the parameter ids {_keys(saved_ids, 6)} are not distinct "
+            "whole numbers; expected the ids torch.optim writes"
+        )
     position = dict(zip(saved_ids, live_ids))
     if not isinstance(saved["state"], dict):
         raise _mismatch(f"{where}/state", saved["state"], live["state"])
     for key, entry in saved["state"].items():
         at = f"{where}/state/{_key(key)}"
         if key not in position:
-            raise DamagedCheckpoint(f"{at}: the checkpoint holds the state of parameter {_key(key)}, which no param "
-                                    f"group lists; expected one of {_keys(saved_ids, 6)}")
+            raise DamagedCheckpoint(
+                f"{at}: the checkpoint holds the state of parameter {_key(key)}, which no param "
+                f"group lists; expected one of {_keys(saved_ids, 6)}"
+            )
         if position[key] in live["state"]:
             validate_state(entry, live["state"][position[key]], at)
         elif not isinstance(entry, dict):
@@ -100,32 +114,53 @@ def validate_rng_state(state: Any, where: str) -> None:
     range crashes the process later); torch's and CUDA's are set on private generators, which apply torch's
     own checks and leave the global ones alone. Raises DamagedCheckpoint naming `where/python` etc."""
     if not isinstance(state, dict) or any(key not in state for key in ("python", "numpy", "torch")):
-        raise DamagedCheckpoint(f"{where}: the checkpoint holds {_shown(state)}; expected the python, numpy and "
-                                "torch RNG states")
+        raise DamagedCheckpoint(
+            f"{where}: the checkpoint holds {_shown(state)}; expected the python, numpy and torch RNG states"
+        )
     python = state["python"]
     internal = python[1] if isinstance(python, (list, tuple)) and len(python) == 3 else None
-    if not (isinstance(internal, (list, tuple)) and len(internal) == 625 and python[0] == 3 and _is_int(python[0])
-            and all(_is_int(word) and 0 <= word < 2**32 for word in internal[:624])
-            and _is_int(internal[624]) and 0 <= internal[624] <= 624
-            and (python[2] is None or _is_number(python[2]))):
-        raise DamagedCheckpoint(f"{where}/python: the checkpoint holds {_shown(python)} that random.setstate "
-                                "cannot take; expected (3, 624 32-bit words and a position <= 624, None or a number)")
+    if not (
+        isinstance(internal, (list, tuple))
+        and len(internal) == 625
+        and python[0] == 3
+        and _is_int(python[0])
+        and all(_is_int(word) and 0 <= word < 2**32 for word in internal[:624])
+        and _is_int(internal[624])
+        and 0 <= internal[624] <= 624
+        and (python[2] is None or _is_number(python[2]))
+    ):
+        raise DamagedCheckpoint(
+            f"{where}/python: the checkpoint holds {_shown(python)} that random.setstate "
+            "cannot take; expected (3, 624 32-bit words and a position <= 624, None or a number)"
+        )
     numpy = state["numpy"]
     key = numpy.get("key") if isinstance(numpy, dict) else None
-    if not (isinstance(key, torch.Tensor) and key.dtype == torch.int64 and key.shape == (624,)
-            and bool(((key >= 0) & (key < 2**32)).all()) and _is_int(numpy.get("pos"))
-            and 0 <= numpy["pos"] <= 624 and numpy.get("has_gauss") in (0, 1) and _is_int(numpy["has_gauss"])
-            and _is_number(numpy.get("gauss"))):
-        raise DamagedCheckpoint(f"{where}/numpy: the checkpoint holds {_shown(numpy)} that is not an MT19937 state; "
-                                "expected key (624 32-bit words as int64), pos (0 to 624), has_gauss (0 or 1), gauss")
+    if not (
+        isinstance(key, torch.Tensor)
+        and key.dtype == torch.int64
+        and key.shape == (624,)
+        and bool(((key >= 0) & (key < 2**32)).all())
+        and _is_int(numpy.get("pos"))
+        and 0 <= numpy["pos"] <= 624
+        and numpy.get("has_gauss") in (0, 1)
+        and _is_int(numpy["has_gauss"])
+        and _is_number(numpy.get("gauss"))
+    ):
+        raise DamagedCheckpoint(
+            f"{where}/numpy: the checkpoint holds {_shown(numpy)} that is not an MT19937 state; "
+            "expected key (624 32-bit words as int64), pos (0 to 624), has_gauss (0 or 1), gauss"
+        )
     _check_generator_state(state["torch"], f"{where}/torch", torch.Generator())
     cuda = state.get("cuda", [])
     if not isinstance(cuda, (list, tuple)):
-        raise DamagedCheckpoint(f"{where}/cuda: the checkpoint holds {_shown(cuda)}; expected a list of CUDA RNG "
-                                "states, one per device")
+        raise DamagedCheckpoint(
+            f"{where}/cuda: the checkpoint holds {_shown(cuda)}; expected a list of CUDA RNG states, one per device"
+        )
     if torch.cuda.is_available() and len(cuda) > torch.cuda.device_count():
-        raise DamagedCheckpoint(f"{where}/cuda: the checkpoint holds the RNG states of {len(cuda)} CUDA devices; "
-                                f"expected at most the {torch.cuda.device_count()} this machine has")
+        raise DamagedCheckpoint(
+            f"{where}/cuda: the checkpoint holds the RNG states of {len(cuda)} CUDA devices; "
+            f"expected at most the {torch.cuda.device_count()} this machine has"
+        )
     for i, value in enumerate(cuda):
         generator = torch.Generator(f"cuda:{i}") if torch.cuda.is_available() else None
         _check_generator_state(value, f"{where}/cuda/{i}", generator)
@@ -133,12 +168,15 @@ def validate_rng_state(state: Any, where: str) -> None:
 
 def _check_generator_state(value: Any, at: str, generator: Optional[torch.Generator]) -> None:
     if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1):
-        raise DamagedCheckpoint(f"{at}: the checkpoint holds {_shown(value)}; expected a torch RNG state (a 1-d "
-                                "uint8 tensor)")
+        raise DamagedCheckpoint(
+            f"{at}: the checkpoint holds {_shown(value)}; expected a torch RNG state (a 1-d uint8 tensor)"
+        )
     if generator is None:
         return
     try:
         generator.set_state(value)
     except (RuntimeError, TypeError, ValueError) as err:
-        raise DamagedCheckpoint(f"{at}: the checkpoint holds no valid torch RNG state ({str(err).splitlines()[0]}); "
-                                "expected what torch.get_rng_state() returns") from None
+        raise DamagedCheckpoint(
+            f"{at}: the checkpoint holds no valid torch RNG state ({str(err).splitlines()[0]}); "
+            "expected what torch.get_rng_state() returns"
+        ) from None

@@ -1,6 +1,7 @@
 """The checkpoint writer: saves in order, inline or (`async_save`) on one background thread. In the background
 the training loop waits only for a copy of the state into a reused host buffer; writing, hashing, flushing and
 renaming happen on the thread (as torch.distributed.checkpoint.async_save)."""
+
 from __future__ import annotations
 
 import logging
@@ -16,6 +17,7 @@ from framework.checkpoint.save import write_checkpoint
 from framework.errors import UserError
 
 log = logging.getLogger(__name__)
+
 
 class CheckpointWriter:
     """Writes checkpoints in order, inline or (`background`) on one background thread.
@@ -36,8 +38,9 @@ class CheckpointWriter:
         self._layout: Optional[list] = None  # the (key, shape, dtype) of each tensor staged
         self._failure: Optional[BaseException] = None  # set by the writer thread, cleared by wait()
 
-    def write(self, path: Path, model_state: dict[str, torch.Tensor], state: dict[str, Any],
-              meta: dict[str, Any]) -> None:
+    def write(
+        self, path: Path, model_state: dict[str, torch.Tensor], state: dict[str, Any], meta: dict[str, Any]
+    ) -> None:
         if not self.background:
             write_checkpoint(path, model_state, state, meta, self.durable)
             return
@@ -71,8 +74,9 @@ class CheckpointWriter:
         except BaseException as err:
             self._failure = err
             if not isinstance(err, UserError):
-                log.error("A checkpoint save failed (%s: %s); the previous checkpoints are kept",
-                          type(err).__name__, err)
+                log.error(
+                    "A checkpoint save failed (%s: %s); the previous checkpoints are kept", type(err).__name__, err
+                )
             raise
 
     def wait(self) -> None:
@@ -130,5 +134,5 @@ def _host_views(live: dict[str, torch.Tensor], pinned: bool) -> dict[str, torch.
     views = {}
     for key, tensor in live.items():
         start = offsets[key]
-        views[key] = flat[start:start + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
+        views[key] = flat[start : start + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
     return views

@@ -1,4 +1,5 @@
 """CIFAR-10 from local files, through torchvision's own reader."""
+
 from __future__ import annotations
 
 import pickle
@@ -20,8 +21,9 @@ class CIFAR10(torchvision.datasets.CIFAR10):
     names it (torchvision alone says "not found or corrupted" and suggests a download that cannot happen).
     """
 
-    def __init__(self, root: str, train: bool = True, transform: Optional[Callable] = None,
-                 verify_checksums: bool = True) -> None:
+    def __init__(
+        self, root: str, train: bool = True, transform: Optional[Callable] = None, verify_checksums: bool = True
+    ) -> None:
         # torchvision's own __init__, but every file read by `_unpickle`: its pickle.load would run whatever
         # code a hostile file names (with verify_checksums=false nothing vouches for the files).
         torchvision.datasets.VisionDataset.__init__(self, root, transform=transform)
@@ -39,11 +41,15 @@ class CIFAR10(torchvision.datasets.CIFAR10):
         """The path of one of the data set's files, after checking it is there (and official, if asked)."""
         path = Path(self.root) / self.base_folder / name
         if not path.is_file():
-            raise ConfigError(f"data.root={self.root!r}: no file {path}; expected the python version of "
-                              "CIFAR-10 (cifar-10-python.tar.gz) extracted in <data.root>")
+            raise ConfigError(
+                f"data.root={self.root!r}: no file {path}; expected the python version of "
+                "CIFAR-10 (cifar-10-python.tar.gz) extracted in <data.root>"
+            )
         if self.verify_checksums and not check_integrity(str(path), md5):
-            raise ConfigError(f"{path} is not the official CIFAR-10 file (MD5 differs); to use other files "
-                              "(a subset, test fixtures) set data.train.dataset.verify_checksums=false")
+            raise ConfigError(
+                f"{path} is not the official CIFAR-10 file (MD5 differs); to use other files "
+                "(a subset, test fixtures) set data.train.dataset.verify_checksums=false"
+            )
         return path
 
     def _check_integrity(self) -> bool:
@@ -58,9 +64,15 @@ class CIFAR10(torchvision.datasets.CIFAR10):
 
 
 # What CIFAR-10's python batches hold besides dicts, lists, strings and numbers: numpy arrays.
-_ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-            ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
-            ("numpy._core.multiarray", "scalar"), ("_codecs", "encode")}  # encode: how protocol 2 stores bytes
+_ALLOWED = {
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"),
+    ("_codecs", "encode"),
+}  # encode: how protocol 2 stores bytes
 
 
 class _BatchUnpickler(pickle.Unpickler):
@@ -76,8 +88,10 @@ def _unpickle(path: Path) -> dict:
         with open(path, "rb") as f:
             entry = _BatchUnpickler(f, encoding="latin1").load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as err:
-        raise ConfigError(f"{path}: not a CIFAR-10 batch ({err}); expected the python version's pickled dicts "
-                          "of numpy arrays and lists") from None
+        raise ConfigError(
+            f"{path}: not a CIFAR-10 batch ({err}); expected the python version's pickled dicts "
+            "of numpy arrays and lists"
+        ) from None
     if not isinstance(entry, dict):
         raise ConfigError(f"{path}: holds a {type(entry).__name__}; expected a CIFAR-10 batch (a dict)")
     return entry

@@ -3,6 +3,7 @@
 torchvision is imported inside the functions that need it: it costs about a second of start-up, and the
 default (digits) runs never use it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,8 +20,7 @@ from framework.reproducibility import generator
 
 SPLITS = ("train", "val", "test")
 # torchvision's MNIST wants all four, whichever split it reads.
-MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-               "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
 @functools.lru_cache(maxsize=1)
@@ -45,19 +45,22 @@ def digits(split: str, val_fraction: float = 0.15, test_fraction: float = 0.15, 
         if not 0.0 <= fraction < 1.0:
             raise ConfigError(f"data.*.{name}={fraction!r}: expected a fraction in [0, 1)")
     if val_fraction + test_fraction >= 1.0:
-        raise ConfigError(f"data.train.val_fraction + test_fraction = {val_fraction + test_fraction}: expected "
-                          "less than 1, so that the training split keeps some images")
+        raise ConfigError(
+            f"data.train.val_fraction + test_fraction = {val_fraction + test_fraction}: expected "
+            "less than 1, so that the training split keeps some images"
+        )
     x, y = _digits_arrays()
     order = torch.randperm(len(x), generator=generator(split_seed))
     n_test, n_val = round(len(x) * test_fraction), round(len(x) * val_fraction)
-    parts = {"test": order[:n_test], "val": order[n_test:n_test + n_val], "train": order[n_test + n_val:]}
+    parts = {"test": order[:n_test], "val": order[n_test : n_test + n_val], "train": order[n_test + n_val :]}
     index = parts[split]
     images = torch.from_numpy(x)[index].reshape(-1, 1, 8, 8) / 16.0
     return TensorDataset(images, torch.from_numpy(y)[index])
 
 
-def holdout(dataset: torch.utils.data.Dataset, part: str, val_fraction: float = 0.1,
-            split_seed: int = 0) -> torch.utils.data.Subset:
+def holdout(
+    dataset: torch.utils.data.Dataset, part: str, val_fraction: float = 0.1, split_seed: int = 0
+) -> torch.utils.data.Subset:
     """The `train` or `val` part of a fixed, seeded split of `dataset` (for data sets that ship no val split)."""
     if part not in ("train", "val"):
         raise ConfigError(f"data.*.part={part!r}: expected 'train' or 'val'")
@@ -77,13 +80,16 @@ def mnist(root: str, train: bool = True, transform: Optional[Callable] = None) -
     raw = Path(root) / "MNIST" / "raw"
     missing = [name for name in MNIST_FILES if not (raw / name).is_file()]
     if missing:
-        raise ConfigError(f"data.root={root!r}: no {', '.join(missing)} in {raw}; expected the uncompressed "
-                          "MNIST idx files in <data.root>/MNIST/raw (gunzip the official *.gz files there)")
+        raise ConfigError(
+            f"data.root={root!r}: no {', '.join(missing)} in {raw}; expected the uncompressed "
+            "MNIST idx files in <data.root>/MNIST/raw (gunzip the official *.gz files there)"
+        )
     return torchvision.datasets.MNIST(root, train=train, transform=transform, download=False)
 
 
-def image_folder(root: str, split: str, num_classes: int,
-                 transform: Optional[Callable] = None) -> torch.utils.data.Dataset:
+def image_folder(
+    root: str, split: str, num_classes: int, transform: Optional[Callable] = None
+) -> torch.utils.data.Dataset:
     """torchvision's ImageFolder on `root/split`, checked against `root/train` and `data.num_classes`.
 
     ImageFolder numbers each folder's classes on its own, so a val folder missing a class would silently
@@ -96,20 +102,26 @@ def image_folder(root: str, split: str, num_classes: int,
     def classes(name: str) -> list[str]:
         folder = Path(root) / name
         if not folder.is_dir():
-            raise ConfigError(f"data.root={root!r}: no folder {folder}; expected "
-                              f"<data.root>/{name}/<class>/<image files>")
+            raise ConfigError(
+                f"data.root={root!r}: no folder {folder}; expected <data.root>/{name}/<class>/<image files>"
+            )
         try:
             return find_classes(folder)[0]
         except FileNotFoundError:
-            raise ConfigError(f"data.root={root!r}: no class folders in {folder}; expected "
-                              f"<data.root>/{name}/<class>/<image files>") from None
+            raise ConfigError(
+                f"data.root={root!r}: no class folders in {folder}; expected <data.root>/{name}/<class>/<image files>"
+            ) from None
 
     names = classes("train")
     if len(names) != num_classes:
-        raise ConfigError(f"data.num_classes={num_classes}: {Path(root) / 'train'} has {len(names)} class "
-                          f"folders ({', '.join(names)}); set data.num_classes={len(names)}")
+        raise ConfigError(
+            f"data.num_classes={num_classes}: {Path(root) / 'train'} has {len(names)} class "
+            f"folders ({', '.join(names)}); set data.num_classes={len(names)}"
+        )
     others = classes(split) if split != "train" else names
     if others != names:
-        raise ConfigError(f"data.root={root!r}: the class folders of {split}/ ({', '.join(others)}) differ "
-                          f"from those of train/ ({', '.join(names)}); expected the same class folders")
+        raise ConfigError(
+            f"data.root={root!r}: the class folders of {split}/ ({', '.join(others)}) differ "
+            f"from those of train/ ({', '.join(names)}); expected the same class folders"
+        )
     return ImageFolder(str(Path(root) / split), transform=transform)

@@ -1,4 +1,5 @@
 """Models for the built-in presets. Each takes the data's `input_shape` and `num_classes` from the config."""
+
 from __future__ import annotations
 
 import math
@@ -8,8 +9,9 @@ from torch import nn
 
 
 class MLP(nn.Module):
-    def __init__(self, input_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (256, 256),
-                 dropout: float = 0.0) -> None:
+    def __init__(
+        self, input_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (256, 256), dropout: float = 0.0
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = [nn.Flatten()]
         width = math.prod(input_shape)

@@ -1,4 +1,5 @@
 """LR multipliers for `scheduler=lambda` (LambdaLR): `step -> factor of the group's lr`."""
+
 from __future__ import annotations
 
 import math

@@ -5,6 +5,7 @@ standard-normal `num_features x num_classes` matrix. Both come from one private 
 `seed`, so the framework and `bench/handwritten.py` train on bit-identical tensors, and the global RNG
 (which seeds model initialisation) is left untouched.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,9 @@ from framework.errors import ConfigError
 from framework.reproducibility import generator
 
 
-def classification(num_samples: int = 32_768, num_features: int = 128, num_classes: int = 10,
-                   seed: int = 0) -> TensorDataset:
+def classification(
+    num_samples: int = 32_768, num_features: int = 128, num_classes: int = 10, seed: int = 0
+) -> TensorDataset:
     """`TensorDataset(x, y)`: x float32 [num_samples, num_features], y int64 [num_samples] in [0, num_classes)."""
     for key, value in (("num_samples", num_samples), ("num_features", num_features), ("num_classes", num_classes)):
         if value < 1:
