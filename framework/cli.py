@@ -1,12 +1,12 @@
 """The command line's edge: the entry point, and a mistake Hydra finds while composing the config in one line.
 
-`main` is `htf`, `python -m framework` and this repository's run.py alike. Hydra's main config path is the
-user's config tree, `--config-dir DIR` (or `--config-path DIR`, from the current directory); the framework's own
-tree (the conf/ shipped with the framework package this process imported) comes after it, so a primary config or option of the user's wins over the
-framework's of the same name, and without one the framework's conf/config.yaml runs. A user's primary config
-starts from the framework's defaults with `defaults: [htf, _self_, ...]`. `--version` prints the version. Before
-Hydra starts: the current directory's packages become importable (the user's models and data sets, as under
-`python -m`), and torchrun's non-zero ranks and `resume=` add their overrides to the command line.
+`main` is `htf`, `python -m framework` and this repository's run.py alike. Hydra's main config path is the user's
+config tree, `--config-dir DIR` (or `--config-path DIR`, from the current directory); the framework's own tree (the
+conf/ shipped with the framework package this process imported) comes after it, so a primary config or option of the
+user's wins over the framework's of the same name, and without one the framework's conf/config.yaml runs. A user's
+primary config starts from the framework's defaults with `defaults: [htf, _self_, ...]`. `--version` prints the
+version. Before Hydra starts: the current directory's packages become importable (the user's models and data sets,
+as under `python -m`), and torchrun's non-zero ranks and `resume=` add their overrides to the command line.
 
 Hydra reports a bad override, an unknown option, a YAML syntax error or a run directory it cannot make in
 several lines of its own (or as a traceback) and exits. `run(main)` asks Hydra to raise them instead

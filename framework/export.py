@@ -1,10 +1,11 @@
 """Export a trained model for use outside this framework, and prove the export computes what the checkpoint does.
 
-    python -m framework.export RUN_DIR_OR_CHECKPOINT [--which best|last] [--out DIR] [--torchscript trace|script] [--raw]
-                               [--config-dir DIR]
+    python -m framework.export RUN_DIR_OR_CHECKPOINT [--which best|last] [--out DIR]
+                               [--torchscript trace|script] [--raw] [--config-dir DIR]
 
 The model is rebuilt from the config stored in the checkpoint's meta.json and given its `model.safetensors`, or,
-when the run evaluated an EMA of its weights (callbacks.ema with use_for_eval), that average (`--raw`: the trained ones).
+when the run evaluated an EMA of its weights (callbacks.ema with use_for_eval), that average (`--raw`: the trained
+ones).
 Written to --out (default: RUN_DIR/export/):
 - `model.safetensors`: the plain state dict (no `module.` prefix), for `model.load_state_dict(load_file(...))`;
 - `model.pt`: TorchScript, from `torch.jit.trace` on the example batch (default) or `torch.jit.script`; it runs

@@ -204,7 +204,9 @@ class TrainingState:
         must have the structure, dtypes and shapes of `obj.state_dict()` now (`validate_state`)."""
         if name in self.parts:
             raise ValueError(f"state part {name!r} is registered twice")
-        default = lambda saved, where: validate_state(saved, obj.state_dict(), where)
+        def default(saved: Any, where: str) -> None:
+            validate_state(saved, obj.state_dict(), where)
+
         self.parts[name] = _Part(obj, check or default, optional)
 
     def collect(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:

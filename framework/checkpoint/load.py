@@ -290,7 +290,7 @@ def _layout_problem(entry: Any, n: int) -> Optional[str]:
     ):
         return f"has offsets={_shown(offsets)} and lengths={_shown(lengths)}"
     covered = 0
-    for offset, length in sorted((o, l) for o, l in zip(offsets, lengths) if l):
+    for offset, length in sorted((o, n) for o, n in zip(offsets, lengths) if n):
         if offset != covered:
             return f"has parts that {'overlap' if offset < covered else 'leave a gap'} at {min(offset, covered)}"
         covered += length
