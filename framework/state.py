@@ -204,6 +204,7 @@ class TrainingState:
         must have the structure, dtypes and shapes of `obj.state_dict()` now (`validate_state`)."""
         if name in self.parts:
             raise ValueError(f"state part {name!r} is registered twice")
+
         def default(saved: Any, where: str) -> None:
             validate_state(saved, obj.state_dict(), where)
 
