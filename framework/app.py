@@ -15,8 +15,9 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, cast
 
+from hydra.conf import HydraConf
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import Container, DictConfig, ListConfig, OmegaConf
@@ -40,7 +41,9 @@ sweep.register_resolvers()
 
 def _nodes(container: Container, key: str = "") -> Iterator[tuple[str, Container, Any]]:
     """Every node under `container` as (full key, parent, name in parent), without resolving anything."""
-    names: Iterable[Any] = range(len(container)) if isinstance(container, ListConfig) else container.keys()
+    names: Iterable[Any] = (
+        range(len(container)) if isinstance(container, ListConfig) else cast(DictConfig, container).keys()
+    )
     for name in names:
         full_key = f"{key}[{name}]" if isinstance(container, ListConfig) else f"{key}.{name}" if key else str(name)
         yield full_key, container, name
@@ -67,7 +70,7 @@ def resolve_all(cfg: DictConfig) -> None:
             try:
                 parent[name]  # reading a node resolves it
             except OmegaConfBaseException as err:
-                written = OmegaConf.to_container(parent, resolve=False)[name]
+                written = cast(Any, OmegaConf.to_container(parent, resolve=False))[name]  # a dict or a list
                 raise ConfigError(
                     f"{key}={written!r} cannot be resolved: {str(err).splitlines()[0]}; "
                     "expected ${other.key} naming a key that exists, or a registered resolver "
@@ -94,7 +97,7 @@ def main(cfg: DictConfig) -> Any:
     non-zero at the end)."""
     if HydraConfig.get().mode == RunMode.MULTIRUN and not full_error():
         return _sweep_job(cfg)
-    started = []
+    started: list[bool] = []
     try:
         return _run(cfg, started)
     except Interrupted as err:  # stopped on a signal after saving: not an error, but not finished either
@@ -132,7 +135,7 @@ def _discard_attempt(started: bool) -> None:
         )  # a new directory's provenance goes with it
 
 
-def _run(cfg: DictConfig, started: Optional[list] = None) -> Optional[float]:
+def _run(cfg: DictConfig, started: Optional[list[bool]] = None) -> Optional[float]:
     """Validate, settle the config (a resumed run's is its checkpoint's), lock the run directory, train; after a
     fast_dev_run, remove what it wrote. `started` gets an item once training is handed over (a later failure is
     no longer "refused at start")."""
@@ -169,8 +172,8 @@ def _new_run_refused(run_dir: Path) -> str:
 def _train(
     fresh: DictConfig,
     run_dir: Path,
-    hydra_cfg: DictConfig,
-    started: Optional[list],
+    hydra_cfg: HydraConf,
+    started: Optional[list[bool]],
     *,
     in_place: bool,
     asked: Optional[str],
@@ -243,7 +246,7 @@ def _settled(
     choices: dict[str, Any],
     saved: Optional[resume.SavedRun],
     overrides: list[str],
-    hydra_cfg: DictConfig,
+    hydra_cfg: HydraConf,
 ) -> tuple[DictConfig, dict[str, Any]]:
     """The config the run uses: for a resume, the saved run's own (its checkpoint's, or for a run that saved
     none, Hydra's record of it), with this command line on top, built only from targets the user's own code
@@ -264,7 +267,7 @@ def _settled(
     return cfg, choices
 
 
-def _conf_dirs(hydra_cfg: DictConfig) -> list[Path]:
+def _conf_dirs(hydra_cfg: HydraConf) -> list[Path]:
     """The config trees this run was composed from: the user's (conf/, --config-dir) and the framework's, not
     Hydra's own."""
     found = (
@@ -294,7 +297,8 @@ def _platform_start_method() -> Iterator[None]:
 
 def _sweep_job(cfg: DictConfig) -> float:
     """One job of a multirun: never raises (but for submitit's requeue), so a failing job cannot stop the others."""
-    start, started = time.perf_counter(), []
+    start = time.perf_counter()
+    started: list[bool] = []
     try:
         with _platform_start_method():
             objective = _run(cfg, started)

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from enum import Enum
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Optional, TypeGuard, Union, cast
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
@@ -338,10 +338,10 @@ def check_closed_keys(cfg: DictConfig) -> None:
         if not isinstance(node, DictConfig):
             continue
         known = set(_keys_of(group))
-        for name in node:
+        for name in cast(Iterable[str], node):  # a group's keys are strings: YAML keys and dataclass fields
             if name not in known:
                 key = f"{group}.{name}" if group else str(name)
-                value = OmegaConf.to_container(node, resolve=False)[name]  # as written: ${...} unresolved
+                value = cast(dict, OmegaConf.to_container(node, resolve=False))[name]  # as written: ${...} unresolved
                 raise ConfigError(
                     f"{key}={value!r}: {group or 'the root config'} has no key '{name}'; "
                     f"{key_hint(key, value)}expected one of: {', '.join(sorted(known))}"
@@ -354,7 +354,7 @@ def _require(ok: bool, key: str, value: object, expected: str) -> None:
         raise ConfigError(f"{key}={shown}: expected {expected}")
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -746,10 +746,12 @@ def _check_hardware(device: str, p: DictConfig) -> None:
     if ddp and p.backend is not None:
         import torch.distributed as dist
 
-        for name in _backends(p.backend):
+        backends = _backends(p.backend)
+        assert backends is not None  # _check_parallel refused a malformed one
+        for name in backends:
             if not (dist.is_available() and dist.is_backend_available(name)):
                 refuse("parallel.backend", p.backend, f"this torch build has no {name} backend", "gloo, or null")
-        if not on_cuda and "nccl" in _backends(p.backend):  # even as cuda:nccl: the group is made at start
+        if not on_cuda and "nccl" in backends:  # even as cuda:nccl: the group is made at start
             refuse(
                 "parallel.backend", p.backend, "nccl needs CUDA, and these processes run on the CPU", "gloo, or null"
             )

@@ -13,7 +13,7 @@ resumed at batch k of an epoch sees exactly the batches an uninterrupted run wou
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Sized, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
@@ -149,7 +149,7 @@ class DataModule:
             train = split == "train"
             _check_dataset(split, dataset)
             try:
-                size = len(dataset)
+                size = len(cast(Sized, dataset))  # a map-style dataset's size; a wrong one fails here
             except Exception as err:  # e.g. a negative size in the dataset's config
                 raise ConfigError(
                     f"data.{split}: len() of {type(dataset).__name__} failed ({err}); "
@@ -169,8 +169,10 @@ class DataModule:
 
     def _data_loader(self, split: str, sampler: EpochSampler) -> DataLoader:
         train = split == "train"
+        dataset = self.datasets[split]
+        assert dataset is not None  # loaders are made only for the splits that have a dataset
         return DataLoader(
-            self.datasets[split],
+            dataset,
             batch_size=self.batch_size if train else self.eval_batch_size,
             sampler=sampler,
             drop_last=self.drop_last and train,

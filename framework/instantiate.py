@@ -16,7 +16,7 @@ import math
 import re
 import types
 import typing
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, cast
 
 import hydra.utils
 from hydra.errors import InstantiationException
@@ -98,7 +98,7 @@ def check(node: Any, key: str, provided: Iterable[str] = ()) -> None:
         return
     if not isinstance(node, DictConfig):
         return
-    for name in node:
+    for name in cast(Iterable[int | str], node):  # YAML keys: names, or a number such as `1:`
         if name not in _RESERVED and not (OmegaConf.is_missing(node, name) or OmegaConf.is_interpolation(node, name)):
             check(node[name], f"{key}.{name}")
     target = node.get("_target_")
@@ -271,7 +271,8 @@ def _failure(node: DictConfig, key: str, err: InstantiationException) -> ConfigE
 
 def _failure_message(node: DictConfig, key: str, target: Any, err: BaseException) -> str:
     """`KEY: TARGET(arg=value, ...) raised Error: message`, with the node's plain values (not nested objects)."""
-    args = ", ".join(f"{name}={node[name]!r}" for name in node if name not in _RESERVED and _is_plain(node[name]))
+    names = cast(Iterable[str], node)  # a target's argument names
+    args = ", ".join(f"{name}={node[name]!r}" for name in names if name not in _RESERVED and _is_plain(node[name]))
     return f"{key}: {target}({args}) raised {error_line(err)}; expected values it accepts {FULL_ERROR_HINT}"
 
 
@@ -284,7 +285,7 @@ def _is_plain(value: Any) -> bool:
 
 def _raw(node: DictConfig, name: str) -> Any:
     """`node.name` as the user wrote it (an interpolation stays `${...}`, a missing value `???`), for messages."""
-    return OmegaConf.to_container(node, resolve=False)[name]
+    return cast(dict, OmegaConf.to_container(node, resolve=False))[name]
 
 
 def error_line(err: BaseException) -> str:

@@ -78,7 +78,7 @@ class TensorBoardLogger:
         self._writer, self.enabled = None, False
 
 
-def write_json(path: Path, data: Mapping[str, Any]) -> None:
+def write_json(path: Path, data: Mapping[str, Any] | list[Any]) -> None:
     """Atomic: a reader (or a crash) never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

@@ -430,7 +430,8 @@ class MetricLogger:
             values[name] = float(metric.compute())
             metric.reset()
         for path in self._step_metrics - set(window.epoch_metrics.values()):
-            task.get_submodule(path).reset()
+            stepped: Any = task.get_submodule(path)  # a torchmetrics Metric
+            stepped.reset()
         window.epoch_metrics.clear()
         self._step_metrics.clear()
         if values:

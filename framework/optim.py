@@ -16,7 +16,7 @@ import logging
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional, cast
 
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -94,7 +94,11 @@ def parse_rules(rules: Any, optimizer_options: set[str]) -> list[Rule]:
         key = f"optimizer.param_groups[{i}]"
         if not isinstance(raw, (dict, DictConfig)):
             raise ConfigError(f"{key}={raw!r}: expected a mapping with a name, a matcher and overrides")
-        raw = OmegaConf.to_container(raw, resolve=True) if isinstance(raw, DictConfig) else dict(raw)
+        raw = (
+            cast(dict[str, Any], OmegaConf.to_container(raw, resolve=True))
+            if isinstance(raw, DictConfig)
+            else dict(raw)
+        )
         name = raw.pop("name", None)
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{key}.name={name!r}: expected a non-empty group name")
@@ -166,12 +170,14 @@ def build_optimizer(node: DictConfig, model: nn.Module) -> tuple[torch.optim.Opt
 
     Returns the optimizer and the names of the frozen parameters it leaves out.
     """
-    options = OmegaConf.masked_copy(node, [k for k in node if k != "param_groups"])
+    keys = cast(Iterable[str], node)  # config keys are strings
+    options = OmegaConf.masked_copy(node, [k for k in keys if k != "param_groups"])
     factory = build(options, "optimizer", partial=True, provided=("params",))
     signature = inspect.signature(locate(node._target_, "optimizer")).parameters
     rules = parse_rules(node.get("param_groups"), set(signature) - {"params", "self"})
     base = {name: p.default for name, p in signature.items() if p.default is not inspect.Parameter.empty}
-    base.update({k: v for k, v in OmegaConf.to_container(options, resolve=True).items() if not k.startswith("_")})
+    configured = cast(dict[str, Any], OmegaConf.to_container(options, resolve=True))
+    base.update({k: v for k, v in configured.items() if not k.startswith("_")})
     groups, frozen = resolve_groups(model, rules, base)
     if not groups:
         raise ConfigError("model: it has no trainable parameters (every requires_grad is False)")
@@ -221,7 +227,7 @@ def check_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimize
 def changed_options(saved: dict[str, Any], current: DictConfig) -> set[str]:
     """The optimizer options this config sets differently from the run's saved one (`{"*"}`: the parameter
     group rules changed, so every option may have)."""
-    now = OmegaConf.to_container(current, resolve=True)
+    now = cast(dict[str, Any], OmegaConf.to_container(current, resolve=True))
     if now.get("param_groups") != saved.get("param_groups"):
         return {"*"}
     return {k for k in set(now) | set(saved) if k not in ("_target_", "param_groups") and now.get(k) != saved.get(k)}
@@ -335,7 +341,7 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
         self.warmup_steps, self.total_steps, self.min_lr = warmup_steps, total_steps, min_lr
         super().__init__(optimizer, last_epoch)
 
-    def get_lr(self) -> list[float]:
+    def get_lr(self) -> list[float | torch.Tensor]:
         step = self.last_epoch
         if step < self.warmup_steps:
             return [base * step / self.warmup_steps for base in self.base_lrs]
@@ -384,13 +390,13 @@ def build_scheduler(
     if not isinstance(frequency, int) or frequency < 1:
         raise ConfigError(f"scheduler.frequency={frequency!r}: expected an integer >= 1")
     factory = build(
-        OmegaConf.masked_copy(node, [k for k in node if k not in SCHEDULER_KEYS]),
+        OmegaConf.masked_copy(node, [k for k in cast(Iterable[str], node) if k not in SCHEDULER_KEYS]),
         "scheduler",
         partial=True,
         provided=("optimizer",),
     )
     length = run_length(interval, frequency, max_steps, max_epochs, steps_per_epoch)
-    filled = {arg: length for arg in LENGTH_ARGS if arg in node and node[arg] is None}
+    filled: dict[str, Any] = {arg: length for arg in LENGTH_ARGS if arg in node and node[arg] is None}
     if "max_lr" in node and node.max_lr is None:  # OneCycleLR: peak at each group's own lr
         filled["max_lr"] = [group["lr"] for group in optimizer.param_groups]
     _warn_if_senseless(node, interval, length)
@@ -437,7 +443,9 @@ def lr_plan(
         | {"params": [torch.zeros(1, requires_grad=True)], "lr": g.get("initial_lr", g["lr"])}
         for g in optimizer.param_groups
     ]
-    dummy = type(optimizer)(dummy_groups)
+    # The concrete class (SGD, AdamW, ...) takes the groups alone; the base Optimizer would also need `defaults`.
+    optimizer_class = cast(Callable[..., torch.optim.Optimizer], type(optimizer))
+    dummy = optimizer_class(dummy_groups)
     sched = scheduler.factory(dummy)
     names = group_names(dummy)
     unit = scheduler.frequency * (1 if scheduler.interval == "step" else steps_per_epoch)

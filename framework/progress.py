@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 def file_only(message: str, logger: logging.Logger = log) -> None:
     """An INFO record for the log files (run.log) but not the console: what the console shows another way."""
-    record = logger.makeRecord(logger.name, logging.INFO, __file__, 0, message, None, None)
+    record = logger.makeRecord(logger.name, logging.INFO, __file__, 0, message, (), None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)

@@ -31,7 +31,7 @@ import logging
 import os
 import stat
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, cast
 
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -404,7 +404,7 @@ def _raw(cfg: DictConfig, key: str) -> Any:
     parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
     if not isinstance(parent, DictConfig) or name not in parent:
         return OmegaConf.select(cfg, key)
-    return OmegaConf.to_container(parent, resolve=False)[name]
+    return cast(dict, OmegaConf.to_container(parent, resolve=False))[name]
 
 
 def _delete(cfg: DictConfig, key: str) -> None:
@@ -426,7 +426,7 @@ def _hydra_choices(run_dir: Path) -> dict[str, Optional[str]]:
         found = OmegaConf.select(OmegaConf.load(path), "hydra.runtime.choices")
     except Exception:  # noqa: BLE001  (no readable record: every group counts as unchanged)
         return {}
-    return OmegaConf.to_container(found) if isinstance(found, DictConfig) else {}
+    return cast(dict[str, Optional[str]], OmegaConf.to_container(found)) if isinstance(found, DictConfig) else {}
 
 
 def saved_choices(checkpoint: Any) -> dict[str, Optional[str]]:

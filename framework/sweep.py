@@ -22,7 +22,7 @@ import signal
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Collection, Optional
+from typing import Any, Collection, Iterable, Optional, cast
 
 import yaml
 from hydra.core.hydra_config import HydraConfig
@@ -411,7 +411,9 @@ class SweepSummary(Callback):
             check_direction(config)
             # A key the framework's groups do not have, given to every job (`+trainer.max_epoch=1`), fails every
             # job alike: say so once, before any starts (or, on SLURM, is submitted).
-            check_closed_keys(OmegaConf.masked_copy(config, [key for key in config if key != "hydra"]))
+            check_closed_keys(
+                OmegaConf.masked_copy(config, [key for key in cast(Iterable[str], config) if key != "hydra"])
+            )
         except ConfigError as err:  # before any job (Hydra would turn a callback's exception into a warning)
             sys.stderr.write(f"Error: {err}\n")
             sys.exit(1)

@@ -23,7 +23,7 @@ import stat
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeGuard
 
 import torch
 import xxhash
@@ -158,11 +158,11 @@ def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "a file of an unknown kind")
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 

@@ -203,6 +203,7 @@ def _check_meta(path: Path, meta: Any) -> None:
     lacking += [f"checksums.{name}" for name in data_files(meta) if name not in (checksums or {})]
     if lacking:
         raise DamagedCheckpoint(f"{where} lacks {', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''}")
+    assert isinstance(checksums, dict)  # an object when present, and when absent `lacking` named its files
     for key, least in (("step", 0), ("epoch", 0), ("batch_in_epoch", 0), ("world_size", 1)):
         value = meta.get(key, least)  # only step is required: small checkpoints need no loop position
         if not (_is_int(value) and least <= value <= _MAX_COUNTER):
@@ -285,8 +286,10 @@ def _layout_problem(entry: Any, n: int) -> Optional[str]:
         return f"has shape={_shown(shape)}"
     if not (_is_int(dim) and 0 <= dim < len(shape)):
         return f"has dim={_shown(dim)} for a shape of {len(shape)} dimensions"
-    if not all(
-        isinstance(v, list) and len(v) == n and all(_is_int(x) and x >= 0 for x in v) for v in (offsets, lengths)
+    if not (
+        isinstance(offsets, list)
+        and isinstance(lengths, list)
+        and all(len(v) == n and all(_is_int(x) and x >= 0 for x in v) for v in (offsets, lengths))
     ):
         return f"has offsets={_shown(offsets)} and lengths={_shown(lengths)}"
     covered = 0

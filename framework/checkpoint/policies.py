@@ -97,6 +97,7 @@ class CheckpointManager:
         if periodic:
             self.periodic.append(name)
         if top:
+            assert metrics is not None and self.monitor is not None  # improves() is False without them
             self.top_k.append((metrics[self.monitor], name))
             self.top_k.sort(key=lambda item: item[0], reverse=self.mode == "max")
             if self.save_top_k > 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -42,6 +43,7 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
             f"init_from={str(path)!r}: {_kind(mode)}; expected a checkpoint directory, a "
             ".safetensors file or a torch.save state dict"
         )
+    state: Any  # whatever the file holds, until checked below
     if path.is_dir():
         state = open_checkpoint(path).model_state()
     elif path.suffix == ".safetensors":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sized, cast
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     # The same file sklearn.datasets.load_digits reads, read directly: importing sklearn.datasets costs
     # about a second of start-up for nothing (tests/test_datasets.py checks both give the same arrays).
     spec = importlib.util.find_spec("sklearn")
+    assert spec is not None and spec.origin is not None  # sklearn is a dependency, installed as a package
     path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
     table = np.loadtxt(path, delimiter=",", dtype=np.float32)
     return table[:, :-1], table[:, -1].astype(np.int64)
@@ -64,8 +65,9 @@ def holdout(
     """The `train` or `val` part of a fixed, seeded split of `dataset` (for data sets that ship no val split)."""
     if part not in ("train", "val"):
         raise ConfigError(f"data.*.part={part!r}: expected 'train' or 'val'")
-    order = torch.randperm(len(dataset), generator=generator(split_seed)).tolist()
-    n_val = round(len(dataset) * val_fraction)
+    sized = cast(Sized, dataset)  # a map-style dataset, with a size
+    order = torch.randperm(len(sized), generator=generator(split_seed)).tolist()
+    n_val = round(len(sized) * val_fraction)
     return torch.utils.data.Subset(dataset, order[:n_val] if part == "val" else order[n_val:])
 
 
