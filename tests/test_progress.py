@@ -27,8 +27,11 @@ def test_piped_output_is_one_informative_line_per_epoch_and_the_summary(tmp_path
     assert "\r" not in text  # no carriage-return spam in a log file
     # The epoch lines are log records (stderr), the summary is the result (stdout): `2>&1` keeps their order.
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 3 and all(EPOCH_LINE.match(line) for line in lines), lines
-    assert [EPOCH_LINE.match(line).groups() for line in lines] == [("0", "20"), ("1", "40"), ("2", "60")]
+    assert len(lines) == 4 and all(EPOCH_LINE.match(line) for line in lines[:3]), lines
+    assert [EPOCH_LINE.match(line).groups() for line in lines[:3]] == [("0", "20"), ("1", "40"), ("2", "60")]
+    # then which weights the test takes (the default policy keeps a best by val/acc), as the README shows it
+    best = re.escape(str(run / "checkpoints" / "best"))
+    assert re.fullmatch(rf"Testing the best checkpoint's weights \(step (20|40|60), {best}\)", lines[3]), lines
     summary = proc.stdout.splitlines()
     assert len(summary) == 4 and summary[0].startswith("Done in ") and summary[2] == f"Run directory: {run}", summary
     log = (run / "run.log").read_text()
