@@ -266,6 +266,12 @@ def pytest_configure(config: pytest.Config) -> None:
     for name, meaning in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {meaning}")
     sys.addaudithook(_refuse_processes_in_unit_tests)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: one of `-n` processes sharing the cores
+        import torch
+
+        # One intra-op thread each, as run_cli gives its runs: with torch's default of one per core, `-n 2` on two
+        # cores runs four, whose OpenMP threads spin (the unit tier took 69 s instead of 44 s).
+        torch.set_num_threads(1)
 
 
 def _refuse_processes_in_unit_tests(event: str, args: tuple) -> None:

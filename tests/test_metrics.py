@@ -14,7 +14,6 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from PIL import Image
 from safetensors.torch import load_file
-from sklearn.metrics import f1_score, roc_auc_score
 from torch import nn
 from torchmetrics.classification import MulticlassAUROC, MulticlassF1Score
 
@@ -30,11 +29,15 @@ CLASSES = 10
 
 
 def f1(logits: torch.Tensor, target: torch.Tensor) -> float:
+    from sklearn.metrics import f1_score  # a second to import: paid by the tests that use it
+
     return f1_score(target.numpy(), logits.argmax(1).numpy(), average="macro", labels=range(CLASSES),
                     zero_division=0)
 
 
 def auroc(logits: torch.Tensor, target: torch.Tensor) -> float:
+    from sklearn.metrics import roc_auc_score
+
     return roc_auc_score(target.numpy(), logits.double().softmax(1).numpy(), multi_class="ovr",
                          labels=range(CLASSES))
 
