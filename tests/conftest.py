@@ -1,10 +1,11 @@
 """Shared test helpers and the suite's tiers.
 
-Tiers: every test is exactly one of `unit` (in this process: parts built directly, no subprocess; `make
-test-fast`) or `e2e` (runs run.py or another process), plus `distributed` (process groups: DDP, FSDP,
-torchrun) and `slow` (over ~20 s on its own) where they apply. A module's `pytestmark` gives its tests' tier; a
-test's own `@pytest.mark.unit` or `@pytest.mark.e2e` replaces it. A test with no tier is a collection error, so
-a new test cannot fall outside both, and a unit test that starts a process fails.
+Tiers: every test is exactly one of `unit` (in this process, no subprocess: parts built directly, tiny runs of the
+Trainer; `make test-fast`) or `e2e` (runs run.py or another process), plus `distributed` (process groups: DDP,
+FSDP, torchrun) and `slow` (over ~20 s on its own: kills and resumes, requeues, DDP/FSDP runs, the resume matrix)
+where they apply. A module's `pytestmark` gives its tests' tier; a test's own `@pytest.mark.unit` or
+`@pytest.mark.e2e` replaces it. A test with no tier is a collection error, so a new test cannot fall outside both,
+and a unit test that starts a process fails.
 
 Helpers: run the real CLI in a subprocess and read its one error line, compose configs in-process, read
 TensorBoard events and checkpoints, write small datasets in their official on-disk formats. Test modules import
@@ -253,7 +254,8 @@ MARKERS = {
     "unit": "in this process, no subprocess: parts built directly (make test-fast runs these)",
     "e2e": "runs run.py or another process (a subprocess, spawned workers, torchrun)",
     "distributed": "process groups: DDP, FSDP, torchrun (beside unit or e2e)",
-    "slow": "over ~20 s on its own on an idle core",
+    # Measured with -n 2 on 2 shared cores: a test whose slowest case (or whose module's shared run) took 24 s or more.
+    "slow": "over ~20 s on its own, with the fixtures it needs (a kill and its resume, DDP/FSDP runs, requeues)",
 }
 # Modules whose owners are rewriting them now: their tests' tier until the module's own pytestmark gives one.
 PENDING_TIERS = {"test_cli.py": "e2e", "test_package.py": "e2e", "test_task_contract.py": "e2e"}

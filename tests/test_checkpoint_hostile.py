@@ -947,6 +947,7 @@ def test_cli_resume_of_a_hostile_checkpoint_named_explicitly_is_one_error_line(b
     assert f"checkpoint {last}: {says}" in line, line
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.parametrize("async_save", ["true", "false"])
 def test_cli_a_periodic_save_beyond_the_file_size_limit_stops_with_one_line_and_the_run_resumes_later(base, tmp_path,

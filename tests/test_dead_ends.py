@@ -71,6 +71,7 @@ def copy_of(run_dir: Path, tmp_path: Path) -> Path:
 
 
 # ----------------------------------------------------------------------------------------------- the same command again
+@pytest.mark.slow
 @pytest.mark.parametrize("state", ["killed while starting up", "killed in its first epoch", "finished"])
 def test_the_same_command_again_names_resume_run_dir_and_that_command_continues_the_run(tmp_path, state):
     run_dir = tmp_path / "run"
@@ -97,6 +98,7 @@ def test_the_same_command_again_names_resume_run_dir_and_that_command_continues_
     assert config["model"]["hidden"] == ([32] if state == "killed in its first epoch" else [256, 256])
 
 
+@pytest.mark.slow
 def test_a_run_that_finished_without_a_checkpoint_is_never_offered_resume(tmp_path):
     run_dir = tmp_path / "run"
     own = (*OWN, "checkpoint=none")
@@ -197,6 +199,7 @@ def test_another_optimizer_on_resume_names_a_new_run_command_that_works(finished
     succeeded(run_cli(tmp_path / "new", *OWN, *suggested.group(1).split()))  # the cnn weights fit: model=cnn
 
 
+@pytest.mark.slow
 def test_the_values_a_refusal_asks_for_are_the_ones_that_work(tmp_path):
     """resolve_all's `e.g. KEY=VALUE` and check_paths's `set data.root=...`, filled in as a user would."""
     line = one_error_line(run_cli(tmp_path / "a", *OWN, "data=image_folder"))
@@ -231,6 +234,7 @@ def test_a_fast_dev_runs_closing_summary_says_nothing_was_kept(tmp_path):
     assert "fast_dev_run: nothing was kept" in text and "Run directory:" not in text
 
 
+@pytest.mark.slow
 def test_a_fast_dev_run_never_touches_a_run_and_its_advice_works(finished_run, tmp_path):
     run_dir = copy_of(finished_run, tmp_path)
     before = fingerprint(run_dir)

@@ -46,6 +46,7 @@ def shard_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
             for key, value in load_file(str(checkpoint / name)).items()}
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_sharded_checkpoint_has_every_ranks_files_and_its_layout(whole):
     last = whole / "checkpoints" / "last"
@@ -60,6 +61,7 @@ def test_a_sharded_checkpoint_has_every_ranks_files_and_its_layout(whole):
     assert "/callbacks/ema/weights/net.1.weight" in meta["shards"]["state"]  # the EMA of the shards, too
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_training_under_fsdp_matches_ddp_whose_checkpoints_fsdp_refuses_in_one_line(whole, tmp_path):
     proc = run_cli(tmp_path / "ddp", "parallel=ddp", *RUN, fast=False, env=ENV)
@@ -78,6 +80,7 @@ def test_training_under_fsdp_matches_ddp_whose_checkpoints_fsdp_refuses_in_one_l
     assert output(resumed).count("Error:") == 1 and "cannot be resumed with parallel=fsdp" in output(resumed)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_sigkill_then_resume_ends_bit_identical_to_the_uninterrupted_run(whole, tmp_path):
     killed_dir = tmp_path / "killed"
@@ -94,6 +97,7 @@ def test_sigkill_then_resume_ends_bit_identical_to_the_uninterrupted_run(whole, 
     assert not different, f"not bit-identical: {different[:5]}"
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(whole, tmp_path):
     run_dir = Path(shutil.copytree(whole, tmp_path / "run"))
@@ -105,6 +109,7 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(whole, tmp_
                                                                 "model-rank0-of1.safetensors").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_discovery_skips_a_checkpoint_with_a_damaged_or_missing_shard(whole, tmp_path, caplog):
     run_dir = Path(shutil.copytree(whole, tmp_path / "run"))  # a copy: the hard links become files of their own
@@ -125,6 +130,7 @@ def test_discovery_skips_a_checkpoint_with_a_damaged_or_missing_shard(whole, tmp
     assert "step-20.tmp" not in caplog.text
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_layout_whose_parts_do_not_tile_the_tensor_is_one_line(whole, tmp_path):
     checkpoint = Path(shutil.copytree(whole / "checkpoints" / "step-4", tmp_path / "step-4"))
@@ -135,6 +141,7 @@ def test_a_layout_whose_parts_do_not_tile_the_tensor_is_one_line(whole, tmp_path
         open_checkpoint(checkpoint)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_export_gathers_the_whole_model_from_the_shards(whole, tmp_path, capsys):
     last = whole / "checkpoints" / "last"

@@ -162,6 +162,7 @@ class ExplodingTask(ClassificationTask):
         return super().training_step(batch)
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_ends_every_rank_without_a_hang(tmp_path):
     proc = _cli(tmp_path, sys.executable, str(ROOT / "run.py"), "parallel=ddp", "parallel.timeout_s=60",
                 "task._target_=test_parallel.ExplodingTask", *QUICK, timeout=120,
@@ -170,6 +171,7 @@ def test_a_rank_that_raises_ends_every_rank_without_a_hang(tmp_path):
     assert output(proc).count("boom on rank 1") >= 1 and "Done in" not in output(proc)
 
 
+@pytest.mark.slow
 def test_a_config_error_under_ddp_is_printed_once_without_traceback(tmp_path):
     proc = _cli(tmp_path, sys.executable, str(ROOT / "run.py"), "parallel=ddp", "+optimizer.momentm=0.9", *QUICK,
                 timeout=120)

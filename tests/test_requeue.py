@@ -41,6 +41,7 @@ def scontrol(tmp_path: Path) -> tuple[dict[str, str], Path]:
     return env, calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["single", pytest.param("ddp", marks=pytest.mark.distributed)])
 def test_sbatch_job_signalled_saves_requeues_once_and_continues_in_its_own_directory(tmp_path, scontrol, parallel):
     """ddp: the job's process is `run.py`, which spawned 2 workers; SLURM signals it, it forwards the signal,
@@ -152,7 +153,8 @@ def _signal_while_starting(proc: subprocess.Popen, ready: Any, signals: list[sig
     return proc.communicate(timeout=180)[0]
 
 
-@pytest.mark.parametrize("moment", ["composing", pytest.param("ddp-workers-importing", marks=pytest.mark.distributed)])
+@pytest.mark.parametrize("moment", ["composing", pytest.param("ddp-workers-importing",
+                                                              marks=[pytest.mark.distributed, pytest.mark.slow])])
 def test_a_cluster_signal_while_the_run_starts_is_held_then_saved_requeued_and_resumed(tmp_path, scontrol, moment):
     """SLURM's USR1 (or scancel's TERM) can come before the training loop watches: while Hydra composes, torch
     is imported or spawned DDP workers start. Before, its default action killed the job (exit -10: no checkpoint,
@@ -209,6 +211,7 @@ class SlowTask(ClassificationTask):
         return super().training_step(batch)
 
 
+@pytest.mark.slow
 def test_a_submitit_sweep_with_a_too_short_time_limit_requeues_and_finishes_every_job_exactly(tmp_path):
     """submitit's real local executor: with timeout_min=1 it sends SIGUSR2 about 30 s into each job. Each job
     (36 s of sleeping steps) stops at a step, saves last, is requeued by submitit and continues."""
@@ -245,6 +248,7 @@ def test_a_submitit_sweep_with_a_too_short_time_limit_requeues_and_finishes_ever
         assert_identical(final_state(tmp_path / f"whole-{lr}"), final_state(sweep / job))
 
 
+@pytest.mark.slow
 def test_a_time_budget_shorter_than_the_job_stops_cleanly_and_the_same_command_finishes_identical(tmp_path):
     """trainer.max_time is this job's budget: each start of the same command stops cleanly when its budget is
     spent, saving last, and the next start continues; the run ends as if it had never stopped."""
@@ -267,6 +271,7 @@ def test_a_time_budget_shorter_than_the_job_stops_cleanly_and_the_same_command_f
     assert_identical(final_state(tmp_path / "whole"), final_state(run))
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="needs torchrun")
 def test_torchrun_restarts_a_killed_worker_group_and_the_run_ends_identical(tmp_path):

@@ -55,6 +55,7 @@ def scenario(tmp_path: Path, *overrides: str, kill_at: int, kill_signal: str, ki
     return whole, killed, resumed, killed_dir
 
 
+@pytest.mark.slow
 def test_sigkill_after_a_periodic_checkpoint_resumes_bit_exact(tmp_path):
     whole, killed, resumed, run_dir = scenario(
         tmp_path, "trainer.max_steps=70", "checkpoint.every_n_steps=25", "checkpoint.keep_last=-1",
@@ -70,6 +71,7 @@ def test_sigkill_after_a_periodic_checkpoint_resumes_bit_exact(tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["step"] == 70
 
 
+@pytest.mark.slow
 def test_sigterm_mid_epoch_with_worker_processes_saves_last_and_resumes_bit_exact(tmp_path):
     whole, killed, resumed, run_dir = scenario(
         tmp_path, "trainer.max_epochs=3", "data.num_workers=2", "data.persistent_workers=true",
@@ -148,6 +150,7 @@ def test_another_optimizer_class_by_value_is_one_error(warmup_run, tmp_path):
     assert "optimizer._target_='torch.optim.Adam': the run used 'torch.optim.SGD'" in line
 
 
+@pytest.mark.slow
 def test_a_learning_rate_given_on_resume_takes_effect_and_is_logged(tmp_path):
     run_dir = tmp_path / "run"
     assert run_cli(run_dir, *SHORT, "trainer.log_every_n_steps=4").returncode == 0
@@ -158,6 +161,7 @@ def test_a_learning_rate_given_on_resume_takes_effect_and_is_logged(tmp_path):
     assert lrs[12] == pytest.approx(0.1) and lrs[16] == pytest.approx(0.05) and lrs[20] == pytest.approx(0.05)
 
 
+@pytest.mark.slow
 def test_a_config_file_of_the_users_own_comes_back_from_the_checkpoint(tmp_path):
     extra = tmp_path / "myconf" / "model"
     extra.mkdir(parents=True)
@@ -183,6 +187,7 @@ def poison(run_dir: Path, edit) -> None:
         meta_path.write_text(json.dumps(meta))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("node", [
     {"_target_": "builtins.open", "file": "VICTIM", "mode": "w"},
     {"_target_": "shutil.rmtree", "path": "VICTIM_DIR"},
@@ -226,6 +231,7 @@ def test_an_interpolation_inside_a_saved_config_stays_text(warmup_run, tmp_path)
     assert saved_config(run_dir)["name"] == "${oc.env:HOME}"
 
 
+@pytest.mark.slow
 def test_a_checkpoint_whose_state_does_not_fit_the_run_is_skipped_for_an_older_one(tmp_path):
     """Intact files (their checksums match) whose optimizer state has the wrong shape: resume=RUN_DIR names it,
     skips it and resumes from the newest checkpoint that restores; named explicitly, it is one error."""

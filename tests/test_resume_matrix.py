@@ -214,6 +214,7 @@ def first_of_its_kind() -> dict[tuple[str, str], str]:
     return first
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("group", "option", "interruption"), MATRIX)
 def test_every_conf_option_resumes_bit_exact_after_an_interruption(group, option, interruption, data_files,
                                                                      uninterrupted, tmp_path):
