@@ -257,8 +257,6 @@ MARKERS = {
     # Measured with -n 2 on 2 shared cores: a test whose slowest case (or whose module's shared run) took 24 s or more.
     "slow": "over ~20 s on its own, with the fixtures it needs (a kill and its resume, DDP/FSDP runs, requeues)",
 }
-# Modules whose owners are rewriting them now: their tests' tier until the module's own pytestmark gives one.
-PENDING_TIERS = {"test_cli.py": "e2e", "test_package.py": "e2e", "test_task_contract.py": "e2e"}
 # What starts a process (subprocess, os.fork: DataLoader workers, os.posix_spawn, os.system, os.exec*).
 SPAWNS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system", "os.exec"}
 _unit_test_running = {"id": ""}
@@ -283,13 +281,13 @@ def _refuse_processes_in_unit_tests(event: str, args: tuple) -> None:
 
 
 def _tier(item: pytest.Item) -> str | None:
-    """The closest node's tier mark (the test's, its class's, its module's), else its module's pending tier;
-    None when it has none, or two on one node."""
+    """The closest node's tier mark (the test's, its class's, its module's); None when it has none, or two on one
+    node."""
     for node in reversed(item.listchain()):
         found = {mark.name for mark in node.own_markers if mark.name in TIERS}
         if found:
             return found.pop() if len(found) == 1 else None
-    return PENDING_TIERS.get(item.path.name)
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker

@@ -33,6 +33,8 @@ from framework.errors import ConfigError
 from framework.task import StepOutput, Task
 from framework.trainer import Trainer
 
+pytestmark = pytest.mark.unit
+
 TESTS = str(Path(__file__).parent)
 HERE = Path(__file__).stem
 
@@ -729,6 +731,7 @@ def test_batch_idx_continues_within_the_epoch_after_a_mid_epoch_resume(compose, 
     assert resumed.task.batches == whole.task.batches[4:]
 
 
+@pytest.mark.e2e
 def test_a_training_step_requiring_three_arguments_is_one_error_line(tmp_path):
     run_dir = tmp_path / "run"
     assert_refused(cli(run_dir, OptimizerIdx), run_dir, "OptimizerIdx.training_step(batch, batch_idx, optimizer_idx)",
@@ -758,6 +761,7 @@ def test_a_loss_tensor_a_dict_with_loss_and_a_step_output_train_to_identical_wei
         assert not different, f"{kind}: {different}"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind,says", [("none", "returned None"), ("int_tensor", "gave a loss of shape () int64")])
 def test_a_training_step_returning_no_usable_loss_is_one_error_line_and_leaves_no_run(tmp_path, kind, says):
     run_dir = tmp_path / "run"
@@ -977,6 +981,7 @@ def test_a_lightning_method_a_config_group_replaces_is_refused_at_start_naming_w
     assert f"Defines_{name}.{name}" in message and task_hooks.REPLACED[name] in message and "\n" not in message
 
 
+@pytest.mark.e2e
 def test_configure_optimizers_is_one_error_line_and_leaves_no_run(tmp_path):
     run_dir = tmp_path / "run"
     assert_refused(cli(run_dir, REPLACED_TASKS["configure_optimizers"]), run_dir,
@@ -1077,6 +1082,7 @@ def test_a_monitor_an_epoch_end_hook_might_log_is_refused_at_the_first_validatio
     assert trainer.task.train_steps == 3  # one epoch: the first validation decided
 
 
+@pytest.mark.e2e
 def test_a_typo_monitor_is_one_error_line_and_leaves_no_run(tmp_path):
     run_dir = tmp_path / "run"
     assert_refused(cli(run_dir, ScoredInStep, *TYPO_MONITORS["checkpoint.monitor"]), run_dir,
@@ -1147,6 +1153,7 @@ def test_overfit_batches_trains_and_validates_on_the_same_first_batches_every_ep
     assert task.val_seen == [(e, f) for e in range(1, 4) for f in first_two]  # after each epoch, on those batches
 
 
+@pytest.mark.e2e
 def test_detect_anomaly_names_the_backward_op_that_made_a_nan_in_one_error_line(tmp_path):
     run_dir = tmp_path / "run"
     proc = cli(run_dir, NanInBackward, "trainer.detect_anomaly=true")
