@@ -1,7 +1,7 @@
 """framework/state.py's TaskState built directly: the task's own state beside its model (torchmetrics states with
 their update counts, buffers, what on_save_checkpoint adds) comes back exactly, the model's part is left to the
-weights, and a saved part that does not fit is refused before anything loads. The update count goes through the
-one private attribute torchmetrics 1.x keeps it in (framework/metrics.py): a torchmetrics without it fails here."""
+weights, and a saved part that does not fit is refused before anything loads. (The update count goes through
+framework/compat.py, whose own test checks the torchmetrics version.)"""
 from __future__ import annotations
 
 from typing import Any
