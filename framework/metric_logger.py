@@ -192,7 +192,6 @@ class TrainLog:
         self.epoch_counts: dict[str, float] = {}
         self.epoch_fx: dict[str, str] = {}
         self.epoch_metrics: dict[str, str] = {}
-        self.step_values: dict[str, Any] = {}  # on_step values for the next logging step (a Metric: its path)
 
     def tensor(self) -> torch.Tensor:
         if not self.losses:
@@ -321,14 +320,14 @@ class MetricLogger:
         if tensor is not None:
             tensor = tensor.to(self.device, non_blocking=True) if tensor.device != self.device else _whole(tensor)
         name = stage_name(name, self.stage)
-        if prog_bar:
-            self.bar_names.add(name)
         if self.forbidden:
             raise ConfigError(
                 f"task: self.log({name!r}, ...) in {self.forbidden}: Lightning does not allow it there "
                 "either; expected it in a step or an epoch hook (on_validation_epoch_end, "
                 "on_train_epoch_end)"
             )
+        if prog_bar:
+            self.bar_names.add(name)
         if not logger:
             self.hidden.update((name, f"{name}_epoch"))
         weight = batch_size if batch_size is not None else self.batch_n

@@ -42,10 +42,10 @@ class CheckHandle:
     logger = _QuietLogger()
     global_step = 0
     current_epoch = 0
-    callback_metrics: dict[str, float] = {}
 
     def __init__(self, is_global_zero: bool) -> None:
         self.stage, self.is_global_zero = "train", is_global_zero
+        self.callback_metrics: dict[str, float] = {}
         self.names: list[str] = []
 
     def log_from_task(self, name: str, value: Any, **_options: Any) -> None:
