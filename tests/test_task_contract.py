@@ -1028,8 +1028,8 @@ def test_the_pre_flight_check_leaves_no_trace_in_the_tasks_counts_metrics_buffer
 
 
 @pytest.mark.xfail(strict=True, reason="a task deepcopy cannot copy is checked in place (preflight.check_first_batches "
-                   "falls back to the task itself, saying so at DEBUG level only): its counters, buffers and metrics "
-                   "see the check's training and validation batch")
+                   "falls back to the task itself with a warning, and puts its metrics and buffers back): its plain "
+                   "attributes (counters) still see the check's training and validation batch")
 def test_the_pre_flight_check_leaves_no_trace_in_a_task_that_cannot_be_copied(compose, tmp_path):
     trainer, _ = fit(compose, tmp_path, HoldsLock, "trainer.test=false")
     assert trainer.task.counts == {"train": 6, "val": 4, "test": 0}
