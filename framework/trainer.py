@@ -87,6 +87,14 @@ def _anomaly_as_error(enabled: bool, progress: Any, run_dir: Path) -> Iterator[N
         ) from err
 
 
+# The per-batch hooks, in the order the loop calls them.
+_BATCH_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end")
+
+
+def _step_name(task: Any) -> str:
+    return f"{type(task).__name__}.training_step"
+
+
 class Trainer(Run):
     """Runs fit -> validate -> test on the parts its Run built."""
 
@@ -243,29 +251,14 @@ class Trainer(Run):
         config, syncs with the device or allocates beyond the step itself (bench/overhead.py measures it).
         A callback hook nobody implements is not called at all."""
         p, task, logger = self.progress, self.task, self.metric_logger
-        task.train()
-        self._epoch_hook("on_train_epoch_start")
-        self.bar.start_epoch(
-            p.epoch,
-            self.train_batches,
-            initial=p.batch_in_epoch,
-            max_epochs=0 if self.max_steps > 0 else self.max_epochs,
-        )
-        batches = self._train_batches()
+        batches = self._start_epoch()
         training_step, batch_size, losses = self.training_step, task.batch_size, logger.window.losses
-        precision, bar, where = (
-            self.precision,
-            self.bar if self.bar.enabled else None,
-            f"{type(task).__name__}.training_step",
-        )
+        precision, bar, where = self.precision, self.bar if self.bar.enabled else None, _step_name(task)
         autocast = precision.autocast if precision.dtype is not None else None
         to_device = None if self.device.type == "cpu" else move_to  # batches are made on the CPU
         no_sync = self.strategy.no_sync(self.model) if self.accumulate > 1 else None
         plain = contextlib.nullcontext()
-        batch_start, before_backward, after_backward, batch_end = (
-            self.callbacks.bound(hook)
-            for hook in ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end")
-        )
+        batch_start, before_backward, after_backward, batch_end = map(self.callbacks.bound, _BATCH_HOOKS)
         accumulate, train_batches = self.accumulate, self.train_batches
         clock = time.perf_counter
         epoch_start, samples, first_batch, data_wait = clock(), 0, p.batch_in_epoch, 0.0
@@ -306,19 +299,20 @@ class Trainer(Run):
                 batch_end(self, task, out, batch, p.batch_in_epoch - 1)
             if steps_now and self._after_step(watch):
                 break
-        self._epoch_rate = samples / (clock() - epoch_start) if samples else self._epoch_rate
+        seconds = clock() - epoch_start
+        self._epoch_rate = samples / seconds if samples else self._epoch_rate
         logger.epoch_perf(
-            p.step,
-            samples,
-            p.batch_in_epoch - first_batch,
-            clock() - epoch_start,
-            data_wait,
-            _max_memory_mb(self.device),
+            p.step, samples, p.batch_in_epoch - first_batch, seconds, data_wait, _max_memory_mb(self.device)
         )
 
-    def _train_batches(self) -> Iterator[Any]:
-        """This epoch's batches from where it stands (under overfit_batches, the same ones every epoch)."""
+    def _start_epoch(self) -> Iterator[Any]:
+        """The epoch's start (train mode, on_train_epoch_start, the bar); returns its batches from where it stands
+        (under overfit_batches, the same ones every epoch)."""
         p = self.progress
+        self.task.train()
+        self._epoch_hook("on_train_epoch_start")
+        max_epochs = 0 if self.max_steps > 0 else self.max_epochs
+        self.bar.start_epoch(p.epoch, self.train_batches, initial=p.batch_in_epoch, max_epochs=max_epochs)
         if self.evaluator.overfit:
             return iter(itertools.islice(self.evaluator.overfit_batches(), p.batch_in_epoch, self.train_batches))
         return iter(
