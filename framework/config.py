@@ -594,8 +594,13 @@ def _check_checkpoint(ck: DictConfig, data: Any) -> None:
 
 
 def _check_parallel(p: DictConfig, device: str, trainer: DictConfig, precision: DictConfig) -> None:
+    _check_processes(p, device)
+    _check_fsdp(p, trainer, precision)
+
+
+def _check_processes(p: DictConfig, device: str) -> None:
+    """The options of the strategies that start processes (ddp, fsdp), at their defaults under the others."""
     processes = p.strategy in PROCESS_STRATEGIES
-    fsdp = p.strategy == StrategyName.fsdp
     strategy = getattr(p.strategy, "value", p.strategy)
     _require(
         p.devices is None or p.devices >= 1,
@@ -625,7 +630,20 @@ def _check_parallel(p: DictConfig, device: str, trainer: DictConfig, precision: 
             p[key],
             f"false with parallel={strategy}, or parallel=ddp",
         )
-    # FSDP's own options, at their defaults under any other strategy.
+    longest = int(timedelta.max.total_seconds())
+    _require(1 <= p.timeout_s <= longest, "parallel.timeout_s", p.timeout_s, f"a number of seconds in 1..{longest}")
+    _require(
+        not (processes and device.startswith("cuda")),
+        "trainer.device",
+        device,
+        f"'auto' with parallel={strategy} (each process takes the GPU of its local rank), or 'cpu'",
+    )
+
+
+def _check_fsdp(p: DictConfig, trainer: DictConfig, precision: DictConfig) -> None:
+    """FSDP's own options, at their defaults under any other strategy, and what FSDP does not take."""
+    fsdp = p.strategy == StrategyName.fsdp
+    strategy = getattr(p.strategy, "value", p.strategy)
     _require(
         fsdp or p.shard_modules is None,
         "parallel.shard_modules",
@@ -666,14 +684,6 @@ def _check_parallel(p: DictConfig, device: str, trainer: DictConfig, precision: 
             trainer.compile,
             "false with parallel=fsdp (compiling a sharded model is not supported here yet)",
         )
-    longest = int(timedelta.max.total_seconds())
-    _require(1 <= p.timeout_s <= longest, "parallel.timeout_s", p.timeout_s, f"a number of seconds in 1..{longest}")
-    _require(
-        not (processes and device.startswith("cuda")),
-        "trainer.device",
-        device,
-        f"'auto' with parallel={strategy} (each process takes the GPU of its local rank), or 'cpu'",
-    )
 
 
 def _listed(value: Any) -> Any:

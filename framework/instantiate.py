@@ -125,6 +125,25 @@ def check(node: Any, key: str, provided: Iterable[str] = ()) -> None:
     tensors = [name for name in missing if _is_data(params[name])]
     if tensors and not partial and not inspect.isclass(obj):
         raise ConfigError(_function_of_data(node, key, target, obj, tensors))
+    _check_given(node, key, target, params, provided)
+    if partial or not missing:
+        return
+    name = missing[0]
+    later = ""
+    if not inspect.isclass(obj) and params[name].annotation is inspect.Parameter.empty:  # data or config? say both
+        later = (
+            f", or, if {target} is called later with its '{name}' (a loss or a metric), {_partial_override(node, key)}"
+        )
+    raise ConfigError(
+        f"{key}.{name} is not set: {target} needs the argument '{name}'; "
+        f"expected it in the config, e.g. +{key}.{name}=VALUE{later}"
+    )
+
+
+def _check_given(
+    node: DictConfig, key: str, target: str, params: dict[str, inspect.Parameter], provided: set[str]
+) -> None:
+    """Every key the config gives is an argument of the target, of a type it takes, and a number where one is."""
     settable = [name for name in params if name not in provided]
     given = [str(name) for name in node if name not in _RESERVED]
     unknown = sorted(set(given) - set(params))
@@ -141,18 +160,6 @@ def check(node: Any, key: str, provided: Iterable[str] = ()) -> None:
         value = node[name]
         if isinstance(value, float) and math.isnan(value):  # no argument means "not a number"
             raise ConfigError(f"{key}.{name}=nan: not a number; expected a number for {target}'s '{name}'")
-    if partial or not missing:
-        return
-    name = missing[0]
-    later = ""
-    if not inspect.isclass(obj) and params[name].annotation is inspect.Parameter.empty:  # data or config? say both
-        later = (
-            f", or, if {target} is called later with its '{name}' (a loss or a metric), {_partial_override(node, key)}"
-        )
-    raise ConfigError(
-        f"{key}.{name} is not set: {target} needs the argument '{name}'; "
-        f"expected it in the config, e.g. +{key}.{name}=VALUE{later}"
-    )
 
 
 def _is_data(param: inspect.Parameter) -> bool:

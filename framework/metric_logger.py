@@ -438,6 +438,13 @@ class MetricLogger:
             self.metrics.update(values)
         return values
 
+    def record_best(self, val: dict[str, float]) -> None:
+        """best/<name> over the run: the lowest loss or perplexity, the highest of the rest."""
+        for name, value in val.items():
+            best = self.metrics.get(f"best/{name}", value)
+            lower = "loss" in name or "ppl" in name or "perplexity" in name
+            self.metrics[f"best/{name}"] = min(best, value) if lower else max(best, value)
+
     def epoch_perf(
         self, step: int, samples: int, batches: int, seconds: float, data_wait: float, max_memory_mb: float
     ) -> None:

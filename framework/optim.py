@@ -367,6 +367,22 @@ class Scheduler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state)
 
+    # The three moments the loop tells it of; it alone decides whether to step (it is the scheduler's one owner).
+    def after_optimizer_step(self, step: int, stepped: bool) -> None:
+        """A step scheduler follows the optimizer, and does not advance for a step the GradScaler skipped."""
+        if stepped and self.interval == "step" and self.monitor is None and step % self.frequency == 0:
+            self.scheduler.step()
+
+    def after_epoch(self, completed_epochs: int) -> None:
+        """An unmonitored epoch scheduler: every `frequency` completed epochs."""
+        if self.interval == "epoch" and self.monitor is None and completed_epochs % self.frequency == 0:
+            self.scheduler.step()
+
+    def after_validation(self, validations: int, metrics: dict[str, float]) -> None:
+        """A monitored scheduler (ReduceLROnPlateau): every `frequency` validations, with its metric."""
+        if self.monitor is not None and validations % self.frequency == 0:
+            self.scheduler.step(metrics[self.monitor])
+
 
 def run_length(interval: str, frequency: int, max_steps: int, max_epochs: int, steps_per_epoch: int) -> int:
     """How many times the scheduler steps over the run, from the trainer's settings."""

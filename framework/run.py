@@ -70,51 +70,12 @@ class Run:
         )
         self.param_group_names = group_names(self.optimizer)
         self.params = [p for p in self.task.parameters() if p.requires_grad]
-        rank_zero = self.strategy.is_rank_zero
         self.on_signal = cfg.checkpoint.on_signal and not self.fast_dev_run
-        # On resume, TensorBoard drops whatever the killed run logged after its checkpoint's step.
-        purge = self.resume_from.step + 1 if self.resume_from is not None else None
-        self.logger = TensorBoardLogger(
-            self.run_dir,
-            enabled=rank_zero and cfg.logger.tensorboard and not self.fast_dev_run and not t.dry_run,
-            purge_step=purge,
-        )
-        self.bar = ProgressBar(enabled=rank_zero and cfg.logger.progress_bar, every_s=cfg.logger.progress_every_s)
-        self.metric_logger = MetricLogger(
-            device=self.device,
-            tensorboard=self.logger,
-            bar=self.bar,
-            run_dir=self.run_dir,
-            accumulate=self.accumulate,
-            steps_per_epoch=self.steps_per_epoch,
-        )
-        self.metric_logger.attach(self.task)
         self.progress, self.stop = Progress(), Stop(self.strategy, t.min_epochs, t.min_steps)
-        self.task.trainer = TaskHandle(
-            self.metric_logger,
-            self.progress,
-            self.stop,
-            is_global_zero=rank_zero,
-            world_size=self.strategy.world_size,
-            max_epochs=self.max_epochs,
-            max_steps=self.max_steps,
-        )
+        self._wire_logging()
         step_fns = {m: step_function(self.task, m) for m in ("training_step", "validation_step", "test_step")}
         self.training_step = step_fns["training_step"]
-        self.evaluator = Evaluator(
-            task=self.task,
-            model_attr=self.model_attr,
-            data=self.data,
-            strategy=self.strategy,
-            precision=self.precision,
-            metric_logger=self.metric_logger,
-            step_fns=step_fns,
-            limits={
-                "val": 1 if self.fast_dev_run else t.limit_val_batches,
-                "test": 1 if self.fast_dev_run else t.limit_test_batches,
-            },
-            overfit=parts.overfit,
-        )
+        self.evaluator = self._build_evaluator(step_fns)
         self._check_monitors_exist()
         self.tested = ""  # which weights fit's test used: best (step N) or last
         self._val_checked = False  # the monitors were checked against a validation round's metrics
@@ -135,6 +96,53 @@ class Run:
         self._before_zero_grad = self.callbacks.bound("on_before_zero_grad")
         self.state = self._register_state(choices)
         self.callbacks.call("setup", self, self.task)
+
+    def _wire_logging(self) -> None:
+        """TensorBoard, the bar and the metric logger behind them; the task's handle (`task.trainer`) onto them."""
+        cfg, t, rank_zero = self.cfg, self.cfg.trainer, self.strategy.is_rank_zero
+        # On resume, TensorBoard drops whatever the killed run logged after its checkpoint's step.
+        purge = self.resume_from.step + 1 if self.resume_from is not None else None
+        self.logger = TensorBoardLogger(
+            self.run_dir,
+            enabled=rank_zero and cfg.logger.tensorboard and not self.fast_dev_run and not t.dry_run,
+            purge_step=purge,
+        )
+        self.bar = ProgressBar(enabled=rank_zero and cfg.logger.progress_bar, every_s=cfg.logger.progress_every_s)
+        self.metric_logger = MetricLogger(
+            device=self.device,
+            tensorboard=self.logger,
+            bar=self.bar,
+            run_dir=self.run_dir,
+            accumulate=self.accumulate,
+            steps_per_epoch=self.steps_per_epoch,
+        )
+        self.metric_logger.attach(self.task)
+        self.task.trainer = TaskHandle(
+            self.metric_logger,
+            self.progress,
+            self.stop,
+            is_global_zero=rank_zero,
+            world_size=self.strategy.world_size,
+            max_epochs=self.max_epochs,
+            max_steps=self.max_steps,
+        )
+
+    def _build_evaluator(self, step_fns: dict[str, Any]) -> Evaluator:
+        t = self.cfg.trainer
+        return Evaluator(
+            task=self.task,
+            model_attr=self.model_attr,
+            data=self.data,
+            strategy=self.strategy,
+            precision=self.precision,
+            metric_logger=self.metric_logger,
+            step_fns=step_fns,
+            limits={
+                "val": 1 if self.fast_dev_run else t.limit_val_batches,
+                "test": 1 if self.fast_dev_run else t.limit_test_batches,
+            },
+            overfit=self.parts.overfit,
+        )
 
     def _agree_on_run(self, run_dir: Path, resume_from: Optional[Checkpoint]) -> tuple[Path, Optional[Checkpoint]]:
         """Under torchrun only rank 0 made a run directory (see app.py); every rank uses that one, and resumes from

@@ -357,6 +357,19 @@ class ClassificationTask(Task):
         self, batch: Any, split: str, *, input_shape: Optional[Sequence[int]] = None, num_classes: Optional[int] = None
     ) -> Optional[StepOutput]:
         """Batch, model output, loss and metrics in turn, each failure named by the key to change."""
+        inputs, target = self._check_pair(batch, split, input_shape)
+        output = self._check_output(inputs, split)
+        shaped = output.dim() >= 2 and target.shape == output.shape[:1] + output.shape[2:]  # (N,) for (N, C)
+        if shaped and not target.is_floating_point() and target.dtype != torch.bool:  # class indices
+            self._check_labels(output, target, split, num_classes)
+        self._check_loss(output, target, split, shaped)
+        self._check_metrics(output, target)
+        return super().check_batch(batch, split)
+
+    def _check_pair(
+        self, batch: Any, split: str, input_shape: Optional[Sequence[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch is (inputs, labels) of tensors, one label per input, inputs of the declared shape."""
         data = f"data.{split}"
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise ConfigError(
@@ -382,6 +395,10 @@ class ClassificationTask(Task):
                 f"{describe(inputs)}, samples of shape {sample}; expected "
                 f"data.input_shape={_cli(sample)} (the model is built for it)"
             )
+        return inputs, target
+
+    def _check_output(self, inputs: torch.Tensor, split: str) -> torch.Tensor:
+        """The model takes the inputs and returns one row of scores per input."""
         try:
             output = self.model(inputs)
         except UserError:
@@ -398,9 +415,11 @@ class ClassificationTask(Task):
                 f"model: output of {describe(output)} for inputs of {describe(inputs)}; expected "
                 "one row of scores per input, batch first"
             )
-        shaped = output.dim() >= 2 and target.shape == output.shape[:1] + output.shape[2:]  # (N,) for (N, C)
-        if shaped and not target.is_floating_point() and target.dtype != torch.bool:  # class indices
-            self._check_labels(output, target, split, num_classes)
+        return output
+
+    def _check_loss(self, output: torch.Tensor, target: torch.Tensor, split: str, shaped: bool) -> None:
+        """task.loss takes the output and the labels and returns one number."""
+        data = f"data.{split}"
         try:
             loss = self.loss(output, target)
         except UserError:
@@ -422,6 +441,9 @@ class ClassificationTask(Task):
                 f"task.loss: {_name(self.loss)} returned {describe(loss)}; expected one number, "
                 "the loss reduced over the batch (e.g. reduction='mean')"
             )
+
+    def _check_metrics(self, output: torch.Tensor, target: torch.Tensor) -> None:
+        """Every metric takes the output and the labels (a stateful one on a copy: the step updates the metric)."""
         metrics: dict[str, Any] = {**self.metrics, **self.stateful_metrics["val"]}
         for name, metric in metrics.items():
             try:
@@ -437,7 +459,6 @@ class ClassificationTask(Task):
                     f"{describe(output)} and labels of {describe(target)} raised "
                     f"{error_line(err)}; expected a metric that takes them {FULL_ERROR_HINT}"
                 ) from err
-        return super().check_batch(batch, split)
 
     def _forward_failed(self, inputs: torch.Tensor, split: str, err: Exception) -> ConfigError:
         """Inputs of another dtype than the weights are the data's fault; anything else, with inputs of the

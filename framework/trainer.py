@@ -87,6 +87,33 @@ def _anomaly_as_error(enabled: bool, progress: Any, run_dir: Path) -> Iterator[N
         ) from err
 
 
+def _check_monitors_logged(monitors: dict[str, str], metrics: dict[str, float]) -> None:
+    """The first validation round shows every metric there is (what the steps and the epoch-end hook logged):
+    a monitor naming none of them is one line, before anything acts on it."""
+    for key, monitor in monitors.items():
+        if monitor not in metrics:
+            raise ConfigError(
+                f"{key}={monitor!r}: no such metric in the first validation; expected one of {', '.join(metrics)}"
+            )
+
+
+def _on_exception(run: Run, err: BaseException) -> None:
+    """On the way out of a failed or stopped run: the callbacks hear of it, and a save still in flight is finished
+    (a failure of its own is logged, not raised over the error that ends the run; when that error is a failed save
+    too, the run's one error line already says so)."""
+    try:
+        run.callbacks.call("on_exception", run, run.task, err)
+    except Exception as hook_err:  # noqa: BLE001  (the error that ends the run is the one to report)
+        log.error("A callback's on_exception failed: %s: %s", type(hook_err).__name__, hook_err)
+    try:
+        run.checkpoints.writer.close()
+    except Exception as save_err:  # noqa: BLE001
+        if isinstance(err, CheckpointSaveError) and isinstance(save_err, CheckpointSaveError):
+            log.debug("A later checkpoint save failed too: %s", save_err)
+        else:
+            log.error("A checkpoint save failed: %s: %s", type(save_err).__name__, save_err)
+
+
 # The per-batch hooks, in the order the loop calls them.
 _BATCH_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end")
 
@@ -131,7 +158,7 @@ class Trainer(Run):
                 finished = True
             except BaseException as err:
                 finished = isinstance(err, Interrupted)  # a signal stop is agreed by every rank: still in step
-                self._on_exception(err)
+                _on_exception(self, err)
                 raise
             finally:
                 self.bar.close()
@@ -206,9 +233,8 @@ class Trainer(Run):
         p.epoch += 1
         p.batch_in_epoch = 0
         self._report_epoch(train, val)
-        s = self.scheduler  # the one place an unmonitored epoch scheduler steps: every `frequency` completed epochs
-        if s is not None and s.interval == "epoch" and s.monitor is None and p.epoch % s.frequency == 0:
-            s.scheduler.step()
+        if self.scheduler is not None:
+            self.scheduler.after_epoch(p.epoch)
         periodic = self.checkpoints.due_periodic(p.step, completed_epochs=p.epoch)
         self.checkpoints.save(self.state, p.step, periodic=periodic, metrics=val)
 
@@ -221,22 +247,6 @@ class Trainer(Run):
             else None
         )
         self.metric_logger.report_epoch(p.step, train, val, self._epoch_rate, eta)
-
-    def _on_exception(self, err: BaseException) -> None:
-        """On the way out of a failed or stopped run: the callbacks hear of it, and a save still in flight is
-        finished (a failure of its own is logged, not raised over the error that ends the run; when that error is a
-        failed save too, the run's one error line already says so)."""
-        try:
-            self.callbacks.call("on_exception", self, self.task, err)
-        except Exception as hook_err:  # noqa: BLE001  (the error that ends the run is the one to report)
-            log.error("A callback's on_exception failed: %s: %s", type(hook_err).__name__, hook_err)
-        try:
-            self.checkpoints.writer.close()
-        except Exception as save_err:  # noqa: BLE001
-            if isinstance(err, CheckpointSaveError) and isinstance(save_err, CheckpointSaveError):
-                log.debug("A later checkpoint save failed too: %s", save_err)
-            else:
-                log.error("A checkpoint save failed: %s: %s", type(save_err).__name__, save_err)
 
     def _finished(self) -> bool:
         if self.stop.granted(self.progress):  # a requested stop (on resume: a callback's again in on_fit_start)
@@ -329,16 +339,8 @@ class Trainer(Run):
             self._before_zero_grad(self, self.task, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step += 1
-        # The scheduler follows the optimizer, and does not advance for a step the GradScaler skipped.
-        s = self.scheduler
-        if (
-            stepped
-            and s is not None
-            and s.interval == "step"
-            and s.monitor is None
-            and self.progress.step % s.frequency == 0
-        ):
-            s.scheduler.step()
+        if self.scheduler is not None:
+            self.scheduler.after_optimizer_step(self.progress.step, stepped)
 
     def _after_step(self, watch: Any) -> bool:
         """After an optimizer step: log, stop on a signal or a request, validate or save mid-epoch (at an epoch's
@@ -388,34 +390,20 @@ class Trainer(Run):
     def _validate(self) -> dict[str, float]:
         self.callbacks.call("on_validation_start", self, self.task)
         metrics = self.evaluator.run("val", self.progress.step)
-        self._check_first_validation(metrics)
-        for name, value in metrics.items():  # best over the run: the lowest loss or perplexity, the highest of the rest
-            best = self.metrics.get(f"best/{name}", value)
-            lower = "loss" in name or "ppl" in name or "perplexity" in name
-            self.metrics[f"best/{name}"] = min(best, value) if lower else max(best, value)
+        if not self._val_checked:
+            _check_monitors_logged(self._monitors(), metrics)
+            self._val_checked = True
+        self.metric_logger.record_best(metrics)
         self.progress.last_val_step = self.progress.step
         self.progress.validations += 1
         self._quiet_hook("on_validation_end", metrics)
         return metrics
 
-    def _check_first_validation(self, metrics: dict[str, float]) -> None:
-        """The first validation round shows every metric there is (what the steps and the epoch-end hook logged):
-        a monitor naming none of them is one line, before anything acts on it."""
-        if self._val_checked:
-            return
-        self._val_checked = True
-        for key, monitor in self._monitors().items():
-            if monitor not in metrics:
-                raise ConfigError(
-                    f"{key}={monitor!r}: no such metric in the first validation; expected one of {', '.join(metrics)}"
-                )
-
     def _validation_round(self) -> dict[str, float]:
         """A validation during training (by epoch or by step), then the scheduler that monitors its metric."""
         val = self._validate()
-        s = self.scheduler
-        if s is not None and s.monitor is not None and self.progress.validations % s.frequency == 0:
-            s.scheduler.step(val[s.monitor])
+        if self.scheduler is not None:
+            self.scheduler.after_validation(self.progress.validations, val)
         return val
 
     def _test(self) -> None:
