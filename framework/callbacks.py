@@ -422,7 +422,7 @@ class GradNormMonitor(Callback):
             grads = [p.grad for p in group["params"] if p.grad is not None]
             if not grads:
                 continue
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, self.norm_type)), self.norm_type)
+            norm = torch.nn.utils.get_total_norm(grads, self.norm_type, foreach=True)  # what clipping computes
             trainer.log(f"grad_norm/{name}", norm)
             norms.append(norm)
         if norms:

@@ -48,7 +48,7 @@ class TensorBoardLogger:
             from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
             experiment, session_start, _ = hparams_summaries(dict(hparams), {tag: 0.0 for tag in metric_tags})
-            file_writer = self.writer._get_file_writer()
+            file_writer = self.writer.file_writer  # the open run's FileWriter (SummaryWriter's public attribute)
             file_writer.add_summary(experiment)
             file_writer.add_summary(session_start)
 
@@ -57,7 +57,7 @@ class TensorBoardLogger:
             from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
             _, _, session_end = hparams_summaries({"_": 0}, {})
-            self.writer._get_file_writer().add_summary(session_end)
+            self.writer.file_writer.add_summary(session_end)
 
     def log_custom_scalars(self, layout: Mapping[str, Any]) -> None:
         """The CUSTOM SCALARS page's charts (framework/tensorboard_layout.py), once per run."""
