@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 import torch
 from omegaconf import DictConfig
 
-from framework import task_hooks
+from framework import startup, task_hooks
 from framework.callbacks import Callback, CallbackList, Timer
 from framework.checkpoint import CheckpointManager, check_compatible, load_weights
 from framework.data import DataModule
@@ -96,6 +96,7 @@ def build_components(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Comp
         shards=strategy if strategy.sharded and not fast_dev_run else None,
     )
     callbacks = CallbackList(build_callbacks(cfg), first=task_hooks.task_callback(task))
+    startup.resume_collector()  # the run's long-lived objects exist: collect as usual from here (startup.py)
     return Components(
         data,
         task,

@@ -37,7 +37,7 @@ from hydra.plugins.search_path_plugin import SearchPathPlugin
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from framework import __version__, app, config, launch, resume, signals, sweep
+from framework import __version__, app, config, launch, resume, signals, startup, sweep
 from framework.config import CLOSED_GROUPS, key_hint
 from framework.errors import FORCED_FULL_ERROR, full_error
 
@@ -51,12 +51,14 @@ def main() -> None:
     """`htf [--config-dir DIR] [--config-name NAME] [overrides]`, `python -m framework ...`, `python run.py ...`."""
     if not any(arg in ("-m", "--multirun") for arg in sys.argv[1:]):  # a sweep's parent trains nothing itself
         signals.LATCH.install()  # a cluster's signal while the run starts is held for its training loop
+    startup.pause_collector()  # until the run is built (framework/startup.py)
     try:
         _main()
     except BrokenPipeError:  # stdout's reader went away (`htf --help | head`): not an error, as Python's docs advise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit, when stdout is flushed
         sys.exit(1)
     finally:
+        startup.resume_collector()  # a command that built no run (--cfg, --help, an error line)
         signals.LATCH.release()  # held by a run that never trained (--cfg, a dry run): its default action now
 
 
