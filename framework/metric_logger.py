@@ -300,7 +300,7 @@ class MetricLogger:
     # -------------------------------------------------------------------------------- what is logged
     def log(self, name: str, value: Any) -> None:
         """Trainer.log (callbacks): a scalar for the next logging step (a tensor is read then, with the loss)."""
-        self._logged[name] = _whole(value.detach()) if isinstance(value, torch.Tensor) else value
+        self._logged[name] = on_device(value, self.device) if isinstance(value, torch.Tensor) else value
 
     def task_log(
         self,
@@ -318,7 +318,7 @@ class MetricLogger:
         fx = check_reduce_fx(name, reduce_fx) if reduce_fx != "mean" else "mean"
         tensor = as_tensor(name, value)
         if tensor is not None:
-            tensor = tensor.to(self.device, non_blocking=True) if tensor.device != self.device else _whole(tensor)
+            tensor = on_device(tensor, self.device)
         name = stage_name(name, self.stage)
         if self.forbidden:
             raise ConfigError(
@@ -382,28 +382,36 @@ class MetricLogger:
         window = self.window
         if not window.losses:
             return
-        losses = window.tensor()
-        finite = torch.isfinite(losses)
-        task_values = {k: (v.compute() if not isinstance(v, torch.Tensor) else v) for k, v in self._task_step.items()}
-        logged = {name: v for name, v in self._logged.items() if isinstance(v, torch.Tensor)}
-        logged.update(task_values)
-        mean, all_finite, *values = torch.stack(
-            [losses.mean(), finite.all().float(), *(v.reshape(()).float() for v in logged.values())]
-        ).tolist()
+        losses, stacked, names = self.step_values()
+        mean, all_finite, *values = stacked.tolist()
         if not all_finite:
-            self._not_finite(losses, finite)
+            self._not_finite(losses, torch.isfinite(losses))
         own = {} if "train/loss" in self._task_train_names else {"train/loss": mean}  # the task's own wins
         metrics = {**own, **extras}
         metrics.update({k: v for k, v in self._logged.items() if not isinstance(v, torch.Tensor)})
-        metrics.update(zip(logged, values))
+        metrics.update(zip(names, values))
+        task_names = list(self._task_step)
         self._logged.clear()
         self._task_step.clear()
         self.tensorboard.log_metrics({k: v for k, v in metrics.items() if k not in self.hidden}, step)
         self.bar.show({"train/loss": mean, **{k: v for k, v in metrics.items() if k in self.bar_names}})
-        self.metrics.update({**own, **{k: metrics[k] for k in task_values}})
+        self.metrics.update({**own, **{k: metrics[k] for k in task_names}})
         window.count_losses(losses)
         window.losses.clear()  # in place: the loop holds this list
         window.first_step, window.counted = step, 0
+
+    def step_values(self) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        """What a logging step reads, on the device: the window's losses, and stacked, their mean, whether all were
+        finite, then each tensor given to log() or the task's on_step self.log since the last logging step (a
+        logged Metric computed now, over every rank), whose names come third. Everything logged in training was
+        put on the logger's device when it was logged, so this one stack meets no other device."""
+        losses = self.window.tensor()
+        logged = {name: v for name, v in self._logged.items() if isinstance(v, torch.Tensor)}
+        logged.update({k: (v.compute() if not isinstance(v, torch.Tensor) else v) for k, v in self._task_step.items()})
+        stacked = torch.stack(
+            [losses.mean(), torch.isfinite(losses).all().float(), *(v.reshape(()).float() for v in logged.values())]
+        )
+        return losses, stacked, list(logged)
 
     def _not_finite(self, losses: torch.Tensor, finite: torch.Tensor) -> None:
         first = int((~finite).nonzero()[0])
@@ -523,6 +531,14 @@ class TaskHandle:
     def should_stop(self, value: bool) -> None:
         if value:
             self._stop.request("the task set trainer.should_stop")
+
+
+def on_device(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A logged tensor, detached and whole (see _whole), on the metric logger's device: there it stacks with the
+    loss at the next logging step or the epoch's end (a CPU value beside a CUDA loss would raise there). A copy
+    from the CPU is non-blocking: no host sync in the step that logs it."""
+    value = _whole(value.detach())
+    return value if value.device == device else value.to(device, non_blocking=value.device.type == "cpu")
 
 
 def _whole(value: torch.Tensor) -> torch.Tensor:
