@@ -21,8 +21,10 @@ bytecode: $(STAMP)
 run: bytecode
 	$(PY) run.py
 
+# worksteal: a worker that runs out of tests takes queued ones from the other, so the suite's long tests (a submitit
+# sweep that mostly waits for its time limit) do not leave one core idle at the end.
 test: check docs
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 # Lint, format and types of the library (configured in pyproject.toml): part of `make test`, seconds.
 check: $(STAMP)
