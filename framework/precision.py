@@ -13,8 +13,10 @@ import torch
 
 
 def _bf16_supported(device: torch.device) -> bool:
+    """Native bf16 on the run's own device. Not torch.cuda.is_bf16_supported(): it counts emulation (V100, T4:
+    bf16 there is slow) and asks the current device, which need not be the run's."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        return torch.cuda.get_device_capability(device) >= (8, 0)
     return device.type == "cpu"
 
 
@@ -25,7 +27,15 @@ class Precision:
         self.device_type = device.type
         self.dtype: Optional[torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
         self.scaler = torch.amp.GradScaler(device.type) if self.dtype is torch.float16 else None
+        # The scale after the last update, read once per step (get_scale() syncs the host with the device).
+        # Before the first step the scaler holds no tensor yet, so this read is free.
+        self._scale = self.scaler.get_scale() if self.scaler is not None else 1.0
         self.skipped_steps = 0
+
+    @property
+    def scale(self) -> Optional[float]:
+        """The GradScaler's scale after the last optimizer step, for logging (no host sync); None without one."""
+        return self._scale if self.scaler is not None else None
 
     @property
     def name(self) -> str:
@@ -64,10 +74,10 @@ class Precision:
         if self.scaler is None:
             optimizer.step()
             return True
-        scale = self.scaler.get_scale()
         self.scaler.step(optimizer)
         self.scaler.update()
-        stepped = self.scaler.get_scale() >= scale  # update() lowers the scale exactly when it skipped
+        before, self._scale = self._scale, self.scaler.get_scale()  # the step's one host sync of its own
+        stepped = self._scale >= before  # update() lowers the scale exactly when it skipped
         self.skipped_steps += not stepped
         return stepped
 
@@ -80,4 +90,5 @@ class Precision:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+            self._scale = self.scaler.get_scale()
         self.skipped_steps = state.get("skipped_steps", 0)

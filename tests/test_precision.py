@@ -91,13 +91,6 @@ def test_inf_gradient_skips_the_step_and_leaves_the_scheduler_in_place(compose, 
 
 
 @cuda
-def test_amp_on_cuda_picks_bf16_when_supported_else_fp16_with_scaler():
-    precision = Precision("amp", torch.device("cuda"))
-    expected = "bf16-autocast" if torch.cuda.is_bf16_supported() else "fp16-autocast+gradscaler"
-    assert precision.name == expected
-
-
-@cuda
 def test_fp16_on_cuda_trains(compose, tmp_path):
     summary = trainer(compose, tmp_path, "precision=fp16", "trainer.max_epochs=3").fit()
     assert summary["precision"] == "fp16-autocast+gradscaler" and summary["val/acc"] > 0.8
