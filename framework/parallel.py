@@ -39,6 +39,15 @@ def pick_device(requested: str, local_rank: int = 0) -> torch.device:
     return device
 
 
+def default_backend(device: torch.device, offload: bool = False) -> str:
+    """The process group's backend when parallel.backend is null: nccl on CUDA, gloo on CPU. `offload`: FSDP keeps
+    gradients and optimizer state on the CPU (cpu_offload), where clipping and GradNormMonitor reduce them, and
+    nccl reduces no CPU tensor, so those go through gloo."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if offload else "nccl"
+
+
 def under_launcher() -> bool:
     """True when a launcher (torchrun, or our own spawn) already set the process-group environment."""
     return all(name in os.environ for name in DISTRIBUTED_ENV)
@@ -66,6 +75,10 @@ class Strategy:
     def is_rank_zero(self) -> bool:
         return self.rank == 0
 
+    def place(self, task: nn.Module, model: nn.Module) -> None:
+        """The task, its model included, on the device."""
+        task.to(self.device)
+
     def wrap(self, model: nn.Module, param_dtype: Optional[torch.dtype] = None) -> nn.Module:
         """The model as training runs it. `param_dtype`: the autocast dtype of the run (bf16), which a sharded
         model also gathers its weights in."""
@@ -73,7 +86,7 @@ class Strategy:
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain module, for saving and logging: never a `module.` prefix in anything written."""
-        while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel, ReplicaAutocast)):
             model = model.module
         return getattr(model, "_orig_mod", model)  # torch.compile's wrapper
 
@@ -100,12 +113,29 @@ class Strategy:
         pass
 
 
+class ReplicaAutocast(nn.Module):
+    """Runs `module` under autocast in `dtype`. nn.DataParallel runs each replica in a thread of its own under
+    `autocast(device_type, enabled=...)` with no dtype, and the autocast dtype is thread-local: without this,
+    a bf16 run's replicas compute in the device's default, fp16 on CUDA, with no loss scaling."""
+
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module = module
+        self.device_type, self.dtype = device_type, dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
+
+
 class DataParallelStrategy(Strategy):
     """nn.DataParallel over every visible GPU (the model and batches live on cuda:0)."""
 
     name = "dp"
 
     def wrap(self, model: nn.Module, param_dtype: Optional[torch.dtype] = None) -> nn.Module:
+        if param_dtype is not None:  # the run's autocast dtype, entered again in each replica's thread
+            model = ReplicaAutocast(model, self.device.type, param_dtype)
         return nn.DataParallel(model)
 
 
@@ -130,7 +160,8 @@ class DDPStrategy(Strategy):
         self.find_unused_parameters = parallel_cfg.find_unused_parameters
         self.static_graph = parallel_cfg.static_graph
         if not dist.is_initialized():
-            backend = parallel_cfg.backend or ("nccl" if self.device.type == "cuda" else "gloo")
+            offload = self.name == "fsdp" and parallel_cfg.cpu_offload
+            backend = parallel_cfg.backend or default_backend(self.device, offload=offload)
             timeout = datetime.timedelta(seconds=parallel_cfg.timeout_s)
             dist.init_process_group(
                 backend,
@@ -207,6 +238,11 @@ class FSDPStrategy(DDPStrategy):
         self.reshard_after_forward = parallel_cfg.reshard_after_forward
         self.cpu_offload = parallel_cfg.cpu_offload
 
+    def place(self, task: nn.Module, model: nn.Module) -> None:
+        """All of the task but its model, whose shards `wrap` moves: a model larger than one device is never whole
+        on one."""
+        place_beside(task, model, self.device)
+
     def wrap(self, model: nn.Module, param_dtype: Optional[torch.dtype] = None) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -260,6 +296,19 @@ class FSDPStrategy(DDPStrategy):
                 if not isinstance(buffer, DTensor):
                     self.dist.broadcast(buffer, 0)
         return model
+
+
+def place_beside(task: nn.Module, model: nn.Module, device: torch.device) -> None:
+    """Everything of `task` on `device` but `model`: its other children, and the parameters and buffers it
+    registers on itself (which moving its children alone would leave behind)."""
+    for child in task.children():
+        if child is not model:
+            child.to(device)
+    with torch.no_grad():
+        for name, param in list(task.named_parameters(recurse=False)):
+            setattr(task, name, nn.Parameter(param.to(device), requires_grad=param.requires_grad))
+        for name, buffer in list(task.named_buffers(recurse=False)):
+            setattr(task, name, buffer.to(device))  # an existing buffer's name: it stays (non-)persistent
 
 
 @contextlib.contextmanager
@@ -358,4 +407,9 @@ def build_strategy(parallel_cfg: Any, device: str) -> Strategy:
         if chosen.type == "cuda" and torch.cuda.device_count() >= 2:
             return DataParallelStrategy(torch.device("cuda", 0))
         log.info("parallel=dp needs at least two GPUs; %d visible, so running as single", torch.cuda.device_count())
+    if chosen.type == "cuda":
+        # cuda:N the current device too: the DataLoader's pin thread, pinned copies and new tensors without a
+        # device otherwise go to (and open a context on) cuda:0.
+        chosen = torch.device("cuda", torch.cuda.current_device() if chosen.index is None else chosen.index)
+        torch.cuda.set_device(chosen)
     return Strategy(chosen)
