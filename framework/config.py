@@ -596,6 +596,13 @@ def _check_checkpoint(ck: DictConfig, data: Any) -> None:
 def _check_parallel(p: DictConfig, device: str, trainer: DictConfig, precision: DictConfig) -> None:
     _check_processes(p, device)
     _check_fsdp(p, trainer, precision)
+    _require(
+        not (p.strategy == StrategyName.dp and trainer.compile),
+        "trainer.compile",
+        trainer.compile,
+        "false with parallel=dp (DataParallel's replicas would all run the compiled module of cuda:0), "
+        "or parallel=ddp to compile",
+    )
 
 
 def _check_processes(p: DictConfig, device: str) -> None:
