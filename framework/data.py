@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from framework.errors import ConfigError, UserError
 from framework.instantiate import FULL_ERROR_HINT, error_line
-from framework.reproducibility import generator
+from framework.reproducibility import generator, worker_seed
 
 
 class EpochSampler(Sampler[int]):
@@ -187,7 +187,8 @@ class DataModule:
         batch_size = self.batch_size if split == "train" else self.eval_batch_size
         sampler.set_epoch(epoch, start_batch * batch_size)
         if isinstance(loader, DataLoader):
-            loader.generator.manual_seed(sampler.seed + epoch)  # worker seeds follow the epoch, not global RNG
+            # worker seeds follow the epoch, not global RNG, and the rank: each rank augments its samples its own way
+            loader.generator.manual_seed(worker_seed(sampler.seed, epoch, sampler.rank))
         return loader
 
     def first_batch(self, split: str) -> Any:

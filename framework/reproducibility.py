@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
-from typing import Any
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def seed_everything(seed: int) -> None:
@@ -43,8 +46,19 @@ def generator(seed: int) -> torch.Generator:
     return g
 
 
-def rng_state() -> dict[str, Any]:
-    """Every global RNG state of this process, as tensors and plain values (checkpointable without pickle)."""
+def worker_seed(seed: int, epoch: int, rank: int) -> int:
+    """The seed of a rank's data-loader generator in `epoch`, from which its workers seed python, numpy and torch:
+    each rank its own, so ranks do not draw the same augmentations; rank 0's is `seed + epoch`, as before ranks
+    counted. torch's CPU generator keeps a seed's low 32 bits only, so ranks are set apart there, by multiples of
+    2**32 / golden ratio: thousands of ranks stay millions of epochs apart."""
+    return seed + epoch + rank * 0x9E3779B9
+
+
+def rng_state(device: Optional[torch.device] = None) -> dict[str, Any]:
+    """Every global RNG state of this process, as tensors and plain values (checkpointable without pickle).
+
+    Of CUDA's, only the state of this process's own device (`device`, default the current one): a rank draws
+    from no other, and a checkpoint holding one state per visible GPU could not resume where fewer are visible."""
     np_state = np.random.get_state(legacy=False)
     state: dict[str, Any] = {
         "python": random.getstate(),
@@ -57,11 +71,35 @@ def rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state(cuda_index(device))
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def cuda_index(device: Optional[torch.device] = None) -> int:
+    """The index of the CUDA device whose RNG a process on `device` uses: its own, else the current one."""
+    if device is not None and device.type == "cuda" and device.index is not None:
+        return device.index
+    return torch.cuda.current_device()
+
+
+def cuda_state_for(saved: Union[torch.Tensor, Sequence[torch.Tensor]], index: int) -> torch.Tensor:
+    """The CUDA RNG state to restore on device `index`: the one a checkpoint holds, or, from an older checkpoint
+    holding one per visible GPU, that device's, else the first (a machine with fewer GPUs, another world size)."""
+    if isinstance(saved, torch.Tensor):
+        return saved
+    if index < len(saved):
+        log.debug("resume: the checkpoint holds %d CUDA RNG states; restoring device %d's", len(saved), index)
+        return saved[index]
+    log.debug(
+        "resume: the checkpoint holds %d CUDA RNG states, none for device %d; restoring the first",
+        len(saved),
+        index,
+    )
+    return saved[0]
+
+
+def set_rng_state(state: dict[str, Any], device: Optional[torch.device] = None) -> None:
+    """Restore what `rng_state` captured; the CUDA state goes to `device` (default the current one)."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     numpy = state["numpy"]
@@ -75,4 +113,5 @@ def set_rng_state(state: dict[str, Any]) -> None:
     )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        index = cuda_index(device)
+        torch.cuda.set_rng_state(cuda_state_for(state["cuda"], index), index)

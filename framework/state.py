@@ -84,7 +84,8 @@ class RngState:
         self.strategy = strategy
 
     def state_dict(self) -> dict[str, Any]:
-        states = self.strategy.gather_objects(reproducibility.rng_state())  # a collective: every rank saves
+        own = reproducibility.rng_state(self.strategy.device)
+        states = self.strategy.gather_objects(own)  # a collective: every rank saves
         return {f"rank{rank}": state for rank, state in enumerate(states)}
 
     def _own(self, state: dict[str, Any]) -> Any:
@@ -93,7 +94,7 @@ class RngState:
     def check_state_dict(self, saved: Any, where: str) -> None:
         if not isinstance(saved, dict) or "rank0" not in saved:
             raise DamagedCheckpoint(f"{where}: no rank0; expected every rank's RNG state")
-        validate_rng_state(self._own(saved), f"{where}/rank{self.strategy.rank}")
+        validate_rng_state(self._own(saved), f"{where}/rank{self.strategy.rank}", self.strategy.device)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if f"rank{self.strategy.rank}" not in state:
@@ -103,7 +104,7 @@ class RngState:
                 self.strategy.rank,
                 len(state),
             )
-        reproducibility.set_rng_state(self._own(state))
+        reproducibility.set_rng_state(self._own(state), self.strategy.device)
 
 
 class TaskState:

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch
 
+from framework import reproducibility
 from framework.checkpoint.format import DamagedCheckpoint, _is_int, _is_number, _key, _keys, _shown
 
 
@@ -107,12 +108,13 @@ def _validate_optimizer(saved: dict, live: dict, where: str) -> None:
             raise _mismatch(at, entry, {})
 
 
-def validate_rng_state(state: Any, where: str) -> None:
+def validate_rng_state(state: Any, where: str, device: Optional[torch.device] = None) -> None:
     """Check one process's RNG state, as `reproducibility.rng_state()` captures it, before any of it is set
     (`set_rng_state` sets python's, numpy's, torch's, then CUDA's: a bad one would leave the others set).
     Python's and numpy's are checked field by field (numpy does not check its position itself: one out of
     range crashes the process later); torch's and CUDA's are set on private generators, which apply torch's
-    own checks and leave the global ones alone. Raises DamagedCheckpoint naming `where/python` etc."""
+    own checks and leave the global ones alone; CUDA's on `device`, the one this process restores onto (default
+    the current one). Raises DamagedCheckpoint naming `where/python` etc."""
     if not isinstance(state, dict) or any(key not in state for key in ("python", "numpy", "torch")):
         raise DamagedCheckpoint(
             f"{where}: the checkpoint holds {_shown(state)}; expected the python, numpy and torch RNG states"
@@ -151,19 +153,23 @@ def validate_rng_state(state: Any, where: str) -> None:
             "expected key (624 32-bit words as int64), pos (0 to 624), has_gauss (0 or 1), gauss"
         )
     _check_generator_state(state["torch"], f"{where}/torch", torch.Generator())
-    cuda = state.get("cuda", [])
-    if not isinstance(cuda, (list, tuple)):
+    if "cuda" in state:
+        _check_cuda_state(state["cuda"], f"{where}/cuda", device)
+
+
+def _check_cuda_state(cuda: Any, at: str, device: Optional[torch.device]) -> None:
+    """This process's CUDA RNG state, or, from an older checkpoint, one per GPU its rank could see: any number
+    of them, since only one is restored (`reproducibility.cuda_state_for`), each checked on this rank's device."""
+    own = torch.device("cuda", reproducibility.cuda_index(device)) if torch.cuda.is_available() else None
+    if isinstance(cuda, torch.Tensor):
+        _check_generator_state(cuda, at, torch.Generator(own) if own is not None else None)
+        return
+    if not isinstance(cuda, (list, tuple)) or not cuda:
         raise DamagedCheckpoint(
-            f"{where}/cuda: the checkpoint holds {_shown(cuda)}; expected a list of CUDA RNG states, one per device"
-        )
-    if torch.cuda.is_available() and len(cuda) > torch.cuda.device_count():
-        raise DamagedCheckpoint(
-            f"{where}/cuda: the checkpoint holds the RNG states of {len(cuda)} CUDA devices; "
-            f"expected at most the {torch.cuda.device_count()} this machine has"
+            f"{at}: the checkpoint holds {_shown(cuda)}; expected a CUDA RNG state (or a list of them, one per device)"
         )
     for i, value in enumerate(cuda):
-        generator = torch.Generator(f"cuda:{i}") if torch.cuda.is_available() else None
-        _check_generator_state(value, f"{where}/cuda/{i}", generator)
+        _check_generator_state(value, f"{at}/{i}", torch.Generator(own) if own is not None else None)
 
 
 def _check_generator_state(value: Any, at: str, generator: Optional[torch.Generator]) -> None:
