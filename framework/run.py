@@ -19,6 +19,7 @@ from framework.checkpoint import Checkpoint, CheckpointManager, open_checkpoint
 from framework.errors import ConfigError
 from framework.evaluate import Evaluator, move_to
 from framework.loggers import TensorBoardLogger
+from framework.memory import PeakMemory, model_devices
 from framework.metric_logger import MetricLogger, TaskHandle, TrainLog
 from framework.model_summary import summarize
 from framework.optim import group_names
@@ -54,6 +55,7 @@ class Run:
         reproducibility.seed_everything(cfg.seed)
         self.strategy = build_strategy(cfg.parallel, t.device)
         self.device = self.strategy.device
+        self.peak_memory = PeakMemory(model_devices(self.device, data_parallel=self.strategy.name == "dp"))
         self.run_dir, self.resume_from = self._agree_on_run(run_dir, resume_from)
         parts = self.parts = build_components(cfg, self.strategy, self.run_dir)
         self.data, self.task, self.model_attr, self.precision = (

@@ -61,15 +61,6 @@ def train(
         gc.collect()  # what user code may still have tied in cycles (a callback holding the trainer)
 
 
-def _max_memory_mb(device: torch.device) -> float:
-    """Peak memory: CUDA's max_memory_allocated on a GPU, else this process's peak resident set."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
 @contextlib.contextmanager
 def _anomaly_as_error(enabled: bool, progress: Any, run_dir: Path) -> Iterator[None]:
     """Under trainer.detect_anomaly, the op whose backward made a NaN is one Error: line (anomaly mode has printed
@@ -312,13 +303,14 @@ class Trainer(Run):
         seconds = clock() - epoch_start
         self._epoch_rate = samples / seconds if samples else self._epoch_rate
         logger.epoch_perf(
-            p.step, samples, p.batch_in_epoch - first_batch, seconds, data_wait, _max_memory_mb(self.device)
+            p.step, samples, p.batch_in_epoch - first_batch, seconds, data_wait, self.peak_memory.read_mb()
         )
 
     def _start_epoch(self) -> Iterator[Any]:
         """The epoch's start (train mode, on_train_epoch_start, the bar); returns its batches from where it stands
         (under overfit_batches, the same ones every epoch)."""
         p = self.progress
+        self.peak_memory.reset()  # perf/max_memory_mb is this epoch's peak
         self.task.train()
         self._epoch_hook("on_train_epoch_start")
         max_epochs = 0 if self.max_steps > 0 else self.max_epochs
