@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
@@ -35,6 +36,8 @@ class CheckpointWriter:
         self._thread: Optional[ThreadPoolExecutor] = None
         self._pending: list[Future] = []
         self._staging: dict[str, torch.Tensor] = {}  # views into one host buffer, reused by every save
+        self._buffer: Optional[torch.Tensor] = None  # the host buffer those views share
+        self._unpin: Optional[weakref.finalize] = None  # unregisters its page-locking, once
         self._layout: Optional[list] = None  # the (key, shape, dtype) of each tensor staged
         self._failure: Optional[BaseException] = None  # set by the writer thread, cleared by wait()
 
@@ -93,14 +96,22 @@ class CheckpointWriter:
         if self._thread is not None:
             self._thread.shutdown()
             self._thread = None
-        self._staging, self._layout = {}, None
+        self._release()
+
+    def _release(self) -> None:
+        """Drop the host buffer, unpinned at once (its pages are unmapped when the last view of it goes)."""
+        if self._unpin is not None:
+            self._unpin()
+        self._staging, self._layout, self._buffer, self._unpin = {}, None, None, None
 
     def _stage(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy every tensor into its place in the host buffer, laid out (and allocated) again only when the
         state's keys, shapes or dtypes change."""
         layout = [(key, tuple(t.shape), t.dtype) for key, t in live.items()]
         if layout != self._layout:
-            self._staging = _host_views(live, pinned=any(t.is_cuda for t in live.values()))
+            self._release()
+            self._buffer, self._staging = _host_views(live)
+            self._unpin = _pin(self._buffer) if any(t.is_cuda for t in live.values()) else None
             self._layout = layout
         devices = set()
         for key, tensor in live.items():
@@ -115,24 +126,52 @@ class CheckpointWriter:
 _ALIGN = 64  # bytes: each tensor's place in the buffer starts on a cache line
 
 
-def _host_views(live: dict[str, torch.Tensor], pinned: bool) -> dict[str, torch.Tensor]:
-    """A tensor like each of `live`'s, all of them disjoint views into one host buffer.
+def _host_views(live: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One host buffer of exactly the bytes `live` needs (each tensor's place aligned), and a tensor like each of
+    `live`'s, all of them disjoint views into it.
 
     One buffer outside malloc's heap, not one allocation per tensor in it: the ~120 buffers of a ResNet-18
     state, left in the heap by the first save, were enough to tip glibc's thresholds so that every later
     training step page-faulted its activations again (steps 14-20% slower for the rest of the run; see
-    framework/allocator.py). On the CPU the buffer is an anonymous memory map; for CUDA tensors it is pinned
-    memory, so the copies from the device are asynchronous."""
+    framework/allocator.py). The buffer is an anonymous memory map; for CUDA tensors the writer pins it
+    (`_pin`). Not `torch.empty(pin_memory=True)`: torch's caching host allocator rounds that up to a power of
+    two and keeps it for the life of the process, after `close()` (a 17 GB state would pin 32 GB for good)."""
     offsets, total = {}, 0
     for key, tensor in live.items():
         offsets[key] = total
         total += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
-    if pinned:
-        flat = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
-    else:
-        flat = torch.frombuffer(mmap.mmap(-1, max(total, 1)), dtype=torch.uint8)
+    flat = torch.frombuffer(mmap.mmap(-1, max(total, 1)), dtype=torch.uint8)
     views = {}
     for key, tensor in live.items():
         start = offsets[key]
         views[key] = flat[start : start + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
-    return views
+    return flat, views
+
+
+# cudaHostRegisterPortable: page-locked for every device's context, as torch.distributed.checkpoint registers it
+_PORTABLE = 1
+
+
+def _pin(flat: torch.Tensor) -> Optional[weakref.finalize]:
+    """Page-lock exactly `flat`'s bytes (registered with CUDA, as torch.distributed.checkpoint pins its staging),
+    so the copies from the device are asynchronous; returns what unpins them, once: at `close()`, or when `flat`
+    is collected (before its memory map, which its views may keep, is unmapped). A failure leaves the buffer
+    pageable: the copies are then synchronous, the checkpoint the same."""
+    error = int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), _PORTABLE))
+    if error != 0:
+        log.warning(
+            "Pinning the %d-byte checkpoint staging buffer failed (CUDA error %d); it stays pageable: "
+            "copies from the GPU are synchronous",
+            flat.numel(),
+            error,
+        )
+        return None
+    unpin = weakref.finalize(flat, _unregister, flat.data_ptr())
+    unpin.atexit = False  # at exit the process's memory goes anyway, and CUDA may be gone first
+    return unpin
+
+
+def _unregister(ptr: int) -> None:
+    error = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if error != 0:
+        log.warning("Unpinning the checkpoint staging buffer failed (CUDA error %d)", error)
