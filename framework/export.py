@@ -13,12 +13,16 @@ Written to --out (default: RUN_DIR/export/):
 The example batch is the model's own `example_input_array` when it has one (Lightning's name: a model taking
 token ids, say, gives a batch of them), else a random float batch of shape [2, *data.input_shape].
 Both files are then reloaded and run on that batch in eval mode against the checkpoint's model: the weights must
-give identical outputs, TorchScript outputs within float tolerance. Errors are one line and exit code 1.
+give identical outputs, TorchScript outputs within float tolerance. Where CUDA is available, the TorchScript file
+is also run on the batch on CUDA against the model there: a trace records the device of each tensor the model makes
+(`torch.arange(n, device=x.device)` becomes the CPU), which fails on CUDA inputs; without CUDA, a program holding
+such a device is named in a warning. Errors are one line and exit code 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import warnings
 from pathlib import Path
@@ -133,15 +137,49 @@ def export(
     trust: bool = False,
     raw: bool = False,
     conf_dir: Optional[Path] = None,
-) -> tuple[dict[str, float], str, torch.Tensor]:
+) -> tuple[dict[str, float], str, torch.Tensor, Optional[str]]:
     """Write the two files under `out`, reload them, and return the max abs difference of each from the
-    checkpoint's model on the example batch (raises UserError when outside tolerance), which weights were
-    exported, and that batch."""
+    checkpoint's model on the example batch (raises UserError when outside tolerance; with CUDA, TorchScript's on
+    CUDA inputs too), which weights were exported, that batch, and a warning when, without CUDA to try it, the
+    TorchScript program fixes the device its tensors are made on."""
     model = build_model(checkpoint, trust, conf_dir)
     weights, which = eval_weights(checkpoint, raw)
     check_compatible(model, weights, f"checkpoint {checkpoint.path}", strict=True)
     model.load_state_dict(weights)
     batch = example_batch(checkpoint, model)
+    expected = _expected(model, batch)
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in model.state_dict().items()}
+    metadata = {"source": str(checkpoint.path), "step": str(checkpoint.step)}
+    (out / WEIGHTS_FILE).write_bytes(save(state, metadata=metadata))
+    to_torchscript(model, batch, mode).save(str(out / TORCHSCRIPT_FILE))
+
+    fresh = build_model(checkpoint, trust, conf_dir)
+    fresh.load_state_dict(load_file(str(out / WEIGHTS_FILE)))
+    scripted = _load_torchscript(out / TORCHSCRIPT_FILE, "cpu")
+    with torch.no_grad():
+        got = {WEIGHTS_FILE: fresh(batch), TORCHSCRIPT_FILE: scripted(batch)}
+    diffs = {name: (value - expected).abs().max().item() for name, value in got.items()}
+    if not torch.equal(got[WEIGHTS_FILE], expected):
+        raise UserError(
+            f"{out / WEIGHTS_FILE}: the reloaded weights give different outputs (max abs difference "
+            f"{diffs[WEIGHTS_FILE]:.3g}); expected identical ones"
+        )
+    if not torch.allclose(got[TORCHSCRIPT_FILE], expected, rtol=1e-4, atol=1e-5):
+        raise UserError(
+            f"{out / TORCHSCRIPT_FILE}: TorchScript ({mode}) outputs differ from the model's by up to "
+            f"{diffs[TORCHSCRIPT_FILE]:.3g}; expected allclose (rtol 1e-4, atol 1e-5)"
+            + ("; a data-dependent branch may need --torchscript script" if mode == "trace" else "")
+        )
+    if torch.cuda.is_available():
+        diffs[CUDA] = verify_on_cuda(out / TORCHSCRIPT_FILE, fresh, batch, mode)
+        return diffs, which, batch, None
+    return diffs, which, batch, fixed_device_warning(scripted, out / TORCHSCRIPT_FILE, mode)
+
+
+def _expected(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """The model's output on the example batch, which the exported files must reproduce."""
     try:
         with torch.no_grad():
             expected = model(batch)
@@ -157,33 +195,81 @@ def export(
             f"{type(model).__name__} returned a {type(expected).__name__}; export expects a model "
             "returning one tensor (TorchScript outputs are compared with it)"
         )
+    return expected
 
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in model.state_dict().items()}
-    metadata = {"source": str(checkpoint.path), "step": str(checkpoint.step)}
-    (out / WEIGHTS_FILE).write_bytes(save(state, metadata=metadata))
-    to_torchscript(model, batch, mode).save(str(out / TORCHSCRIPT_FILE))
 
-    fresh = build_model(checkpoint, trust, conf_dir)
-    fresh.load_state_dict(load_file(str(out / WEIGHTS_FILE)))
+def _load_torchscript(path: Path, device: str) -> torch.jit.ScriptModule:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*torch\.jit.*deprecated", category=FutureWarning)
-        scripted = torch.jit.load(str(out / TORCHSCRIPT_FILE), map_location="cpu").eval()
+        return torch.jit.load(str(path), map_location=device).eval()
+
+
+CUDA = "model.pt on CUDA"  # the key of TorchScript's difference on CUDA inputs
+
+
+def verify_on_cuda(path: Path, model: torch.nn.Module, batch: torch.Tensor, mode: str) -> float:
+    """Run the TorchScript file at `path` on the example batch on CUDA, against `model` (left where it is) there:
+    a trace records the device of every tensor the model makes (`torch.arange(n, device=x.device)` becomes the
+    CPU), which then fails or differs on CUDA inputs. Returns the max abs difference; raises UserError, one line,
+    when the program does not run on CUDA or differs beyond tolerance (rtol 1e-3, atol 1e-4: CUDA kernels)."""
+    device = torch.device("cuda")
+    on_cuda, inputs = copy.deepcopy(model).to(device).eval(), batch.to(device)
+    scripted = _load_torchscript(path, "cuda")
+    baked = _baked_in(scripted)
+    advice = f"; the {'traced' if mode == 'trace' else 'scripted'} program baked in {baked}: " if baked else ""
+    advice += _advice(mode) if baked else ""
     with torch.no_grad():
-        got = {WEIGHTS_FILE: fresh(batch), TORCHSCRIPT_FILE: scripted(batch)}
-    diffs = {name: (value - expected).abs().max().item() for name, value in got.items()}
-    if not torch.equal(got[WEIGHTS_FILE], expected):
+        expected = on_cuda(inputs)
+        try:
+            got = scripted(inputs)
+        except Exception as err:  # noqa: BLE001  (TorchScript's runtime errors are many-lined)
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UserError(
+                f"{path}: TorchScript ({mode}) does not run on CUDA inputs ({first[:200]}){advice}"
+            ) from None
+    diff = (got.to(expected.device) - expected).abs().max().item()
+    if got.device != expected.device or not torch.allclose(got.to(expected.device), expected, rtol=1e-3, atol=1e-4):
         raise UserError(
-            f"{out / WEIGHTS_FILE}: the reloaded weights give different outputs (max abs difference "
-            f"{diffs[WEIGHTS_FILE]:.3g}); expected identical ones"
+            f"{path}: TorchScript ({mode}) on CUDA inputs gives outputs on {got.device} differing from the model's "
+            f"by up to {diff:.3g}; expected allclose on {expected.device} (rtol 1e-3, atol 1e-4){advice}"
         )
-    if not torch.allclose(got[TORCHSCRIPT_FILE], expected, rtol=1e-4, atol=1e-5):
-        raise UserError(
-            f"{out / TORCHSCRIPT_FILE}: TorchScript ({mode}) outputs differ from the model's by up to "
-            f"{diffs[TORCHSCRIPT_FILE]:.3g}; expected allclose (rtol 1e-4, atol 1e-5)"
-            + ("; a data-dependent branch may need --torchscript script" if mode == "trace" else "")
+    return diff
+
+
+def fixed_device_warning(scripted: torch.jit.ScriptModule, path: Path, mode: str) -> Optional[str]:
+    """A warning when the program makes tensors on a device it fixed (a trace of `torch.arange(n, device=x.device)`
+    records the CPU): it would fail on CUDA inputs, which this machine cannot try."""
+    baked = _baked_in(scripted)
+    if not baked:
+        return None
+    return (
+        f"{path}: the TorchScript ({mode}) program baked in {baked} for tensors it makes, so it will fail on "
+        f"CUDA inputs (not tried: no CUDA here); {_advice(mode)}"
+    )
+
+
+def _baked_in(scripted: torch.jit.ScriptModule) -> str:
+    """The devices the program's graph holds as constants, in words ('' if none): where it makes tensors."""
+    devices = sorted(
+        {
+            str(node.output().toIValue())
+            for node in scripted.inlined_graph.nodes()
+            if node.kind() == "prim::Constant" and node.output().type().kind() == "DeviceObjType"
+        }
+    )
+    if not devices:
+        return ""
+    return "the CPU device" if devices == ["cpu"] else f"the device(s) {', '.join(devices)}"
+
+
+def _advice(mode: str) -> str:
+    if mode == "trace":  # a trace records the device of each tensor the model makes (pytorch #145995)
+        return (
+            "export with --torchscript script, which keeps `x.device`, or make the model device-agnostic "
+            "(slice a parameter or buffer, e.g. self.positions.weight[:length], rather than create a tensor on "
+            "the input's device)"
         )
-    return diffs, which, batch
+    return "expected a model that creates its tensors on its input's device (device=x.device), not a fixed one"
 
 
 def _described(batch: torch.Tensor) -> str:
@@ -231,18 +317,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         checkpoint = find_checkpoint(args.path, args.which)
         out = args.out or default_out(checkpoint)
-        diffs, which, batch = export(
+        diffs, which, batch, warning = export(
             checkpoint, out, args.torchscript, args.trust_saved_config, args.raw, args.config_dir
         )
     except UserError as err:
         print(f"Error: {err}", file=sys.stderr)
         return 1
+    if warning is not None:
+        print(f"Warning: {warning}", file=sys.stderr)
     print(
         f"Exported {checkpoint.path} (step {checkpoint.step}), {which}:\n"
         f"  {out / WEIGHTS_FILE}  weights (state dict)\n"
         f"  {out / TORCHSCRIPT_FILE}  TorchScript ({args.torchscript})\n"
         f"Verified on the example batch, {_described(batch)}, in eval mode, max abs difference: "
         f"weights {diffs[WEIGHTS_FILE]:.3g} (identical), TorchScript {diffs[TORCHSCRIPT_FILE]:.3g}"
+        + (f", TorchScript on CUDA {diffs[CUDA]:.3g}" if CUDA in diffs else "")
     )
     return 0
 

@@ -108,3 +108,26 @@ def test_export_of_a_language_model_traces_and_verifies_it_on_its_example_token_
     scripted = torch.jit.load(str(tmp_path / "export" / "model.pt"))
     with torch.no_grad():
         torch.testing.assert_close(scripted(tokens), model(tokens), rtol=1e-4, atol=1e-5)
+
+
+class Positions(torch.nn.Module):
+    """Makes a tensor on its input's device, as experiments/lm.py does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = torch.nn.Embedding(16, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.positions(torch.arange(tokens.shape[1], device=tokens.device)) * tokens.unsqueeze(-1)
+
+
+@pytest.mark.unit
+def test_a_trace_that_baked_in_the_cpu_device_is_named_in_a_warning_where_cuda_cannot_try_it(tmp_path):
+    """`torch.arange(n, device=x.device)` traced on the CPU fixes the CPU, which fails on CUDA inputs (pytorch
+    #145995): without CUDA to verify on, export says so in one line, with what to do; a script keeps x.device."""
+    model, batch = Positions().eval(), torch.ones(2, 5)
+    traced, scripted = (export.to_torchscript(model, batch, mode) for mode in ("trace", "script"))
+    warning = export.fixed_device_warning(traced, tmp_path / "model.pt", "trace")
+    assert warning is not None and "\n" not in warning
+    assert "baked in the CPU device" in warning and "--torchscript script" in warning
+    assert export.fixed_device_warning(scripted, tmp_path / "model.pt", "script") is None
