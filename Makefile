@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast check docs bytecode clean-venv
+.PHONY: run test test-fast check docs bytecode gpu-check clean-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ docs: $(STAMP)
 # The unit tier (tests/conftest.py): the parts built in this process, no subprocess; under a minute on 2 cores.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m unit
+
+# Everything that needs CUDA (bench/gpu_check.py): the CUDA tests, then bench/overhead.py --device cuda and
+# bench/realistic.py. Without a CUDA device it says so in one line and exits 0.
+gpu-check: $(STAMP)
+	@$(PY) bench/gpu_check.py
 
 clean-venv:
 	rm -rf $(VENV)
