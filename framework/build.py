@@ -80,21 +80,7 @@ def build_components(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Comp
         max_epochs=1 if fast_dev_run else t.max_epochs,
         steps_per_epoch=steps_per_epoch,
     )
-    ck = cfg.checkpoint
-    checkpoints = CheckpointManager(
-        run_dir / "checkpoints",
-        save_last=ck.save_last,
-        every_n_steps=ck.every_n_steps,
-        every_n_epochs=ck.every_n_epochs,
-        keep_last=ck.keep_last,
-        monitor=ck.monitor,
-        mode=ck.mode.value,
-        save_top_k=ck.save_top_k,
-        enabled=strategy.is_rank_zero and not fast_dev_run,
-        fsync=ck.fsync,
-        async_save=ck.async_save,
-        shards=strategy if strategy.sharded and not fast_dev_run else None,
-    )
+    checkpoints = build_checkpoints(cfg, strategy, run_dir)
     callbacks = CallbackList(build_callbacks(cfg), first=task_hooks.task_callback(task))
     startup.resume_collector()  # the run's long-lived objects exist: collect as usual from here (startup.py)
     return Components(
@@ -113,6 +99,25 @@ def build_components(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Comp
     )
 
 
+def build_checkpoints(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> CheckpointManager:
+    """The checkpoint policies of `checkpoint.*`; a fast_dev_run keeps nothing."""
+    ck, fast_dev_run = cfg.checkpoint, cfg.trainer.fast_dev_run
+    return CheckpointManager(
+        run_dir / "checkpoints",
+        save_last=ck.save_last,
+        every_n_steps=ck.every_n_steps,
+        every_n_epochs=ck.every_n_epochs,
+        keep_last=ck.keep_last,
+        monitor=ck.monitor,
+        mode=ck.mode.value,
+        save_top_k=ck.save_top_k,
+        enabled=strategy.is_rank_zero and not fast_dev_run,
+        fsync=ck.fsync,
+        async_save=ck.async_save,
+        shards=strategy if strategy.sharded and not fast_dev_run else None,
+    )
+
+
 def build_data(cfg: DictConfig, strategy: Strategy) -> DataModule:
     data = build(cfg.data, "data")
     if not isinstance(data, DataModule):
@@ -128,12 +133,7 @@ def place(cfg: DictConfig, task: Task, model_attr: str, strategy: Strategy) -> t
     """The task on the device (under FSDP, all but the model, whose shards wrap moves: a model larger than one
     device is never whole on one) and `init_from`'s weights in the model. Returns the model."""
     model = task.get_submodule(model_attr)
-    if strategy.sharded:
-        for child in task.children():
-            if child is not model:
-                child.to(strategy.device)
-    else:
-        task.to(strategy.device)
+    strategy.place(task, model)
     if cfg.get("init_from"):
         weights = load_weights(Path(cfg.init_from))
         check_compatible(model, weights, f"init_from={cfg.init_from!r}", cfg.init_strict)

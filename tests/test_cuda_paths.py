@@ -102,8 +102,6 @@ def test_fsdp_places_the_tasks_own_parameters_and_buffers_and_leaves_the_model_t
 
 
 @pytest.mark.unit
-@pytest.mark.xfail(strict=True, reason="framework/build.py place() moves only the task's children under FSDP; "
-                                       "it must call strategy.place(task, model)")
 def test_building_a_sharded_run_places_the_tasks_own_state():
     from framework.build import place
 
