@@ -88,7 +88,8 @@ class TransformerLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         length = tokens.shape[1]
-        x = self.tokens(tokens) + self.positions(torch.arange(length, device=tokens.device))
+        # The first `length` rows of the position table: no tensor made on a device, so a traced export runs anywhere.
+        x = self.tokens(tokens) + self.positions.weight[:length]
         mask = self.mask[:length, :length]
         for block in self.blocks:
             x = block(x, src_mask=mask, is_causal=True)
