@@ -140,7 +140,7 @@ class Trainer(Run):
                     torch.autograd.set_detect_anomaly(anomaly),
                     _anomaly_as_error(anomaly, self.progress, self.run_dir),
                 ):
-                    while not self._finished():
+                    while not self._finished(watch):
                         self._train_epoch(watch)
                         if self.progress.batch_in_epoch >= self.train_batches:  # a whole epoch, not a stop mid-epoch
                             self._end_epoch()
@@ -239,7 +239,8 @@ class Trainer(Run):
         )
         self.metric_logger.report_epoch(p.step, train, val, self._epoch_rate, eta)
 
-    def _finished(self) -> bool:
+    def _finished(self, watch: Any) -> bool:
+        self.stop.settle(watch)  # every rank agrees now on a request not yet agreed (the last step's, an epoch hook's)
         if self.stop.granted(self.progress):  # a requested stop (on resume: a callback's again in on_fit_start)
             return True
         if self.max_steps > 0:  # max_steps, when set, alone decides the length of the run
