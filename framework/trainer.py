@@ -358,8 +358,9 @@ class Trainer(Run):
         extras = {"epoch": float(self.progress.epoch)}
         for name, group in zip(self.param_group_names, self.optimizer.param_groups):
             extras[f"lr/{name}"] = group["lr"]
-        if self.precision.scaler is not None:
-            extras["amp/scale"] = self.precision.scaler.get_scale()
+        scale = self.precision.scale  # remembered at the last step: get_scale() would sync with the device
+        if scale is not None:
+            extras["amp/scale"] = scale
             extras["amp/skipped_steps"] = float(self.precision.skipped_steps)
         self.metric_logger.flush(self.progress.step, extras)
 
