@@ -4,6 +4,7 @@ Lightning's names. The loop that runs it is the Trainer (trainer.py)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -94,7 +95,8 @@ class Run:
             or task_hooks.task_callback(self.task) is not None
         )
         before_step = self.callbacks.bound("on_before_optimizer_step")
-        self._before_step = (lambda: before_step(self, self.task, self.optimizer)) if before_step else None
+        # A partial, not a lambda: the step calls the hook without entering this file.
+        self._before_step = functools.partial(before_step, self, self.task, self.optimizer) if before_step else None
         self._before_zero_grad = self.callbacks.bound("on_before_zero_grad")
         self.state = self._register_state(choices)
         self.callbacks.call("setup", self, self.task)

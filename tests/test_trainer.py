@@ -171,3 +171,36 @@ def test_a_finished_run_frees_everything_it_built(compose, tmp_path):
     train(compose("logger.progress_bar=false", "trainer.max_steps=2", "checkpoint=none", "trainer.test=false"),
           tmp_path / "run")
     assert alive() <= before
+
+
+def test_a_training_step_enters_at_most_four_framework_files_beside_the_runs_own_components(compose, tmp_path):
+    """One step, top to bottom, is read in trainer.py, with the task's step (task.py), precision.py and the ranks'
+    stop agreement (stop.py): nothing else of the framework's machinery runs between two optimizer steps that
+    neither log, validate nor save. The run's own components (its model, its data, its metrics) are the user's
+    choice and are not counted."""
+    import sys
+
+    framework_dir = str(Path(__file__).resolve().parent.parent / "framework") + "/"
+    components = ("zoo/", "data.py", "metrics.py")
+    steps: list[set[str]] = [set()]
+
+    def profile(frame: Any, event: str, _arg: Any) -> None:
+        if event != "call" or not frame.f_code.co_filename.startswith(framework_dir):
+            return
+        name = frame.f_code.co_filename[len(framework_dir):]
+        if name == "trainer.py" and frame.f_code.co_name == "_optimizer_step":
+            steps.append(set())
+        if not name.startswith(components):
+            steps[-1].add(name)
+
+    trainer = make_trainer(compose, tmp_path, "trainer.max_steps=12", "trainer.log_every_n_steps=1000",
+                           "trainer.test=false", "callbacks=none", "checkpoint=none", "trainer.limit_train_batches=20")
+    sys.setprofile(profile)
+    try:
+        trainer.fit()
+    finally:
+        sys.setprofile(None)
+    assert len(steps) == 13, len(steps)  # before the first step, 12 steps (the last one runs on to the end)
+    middle = set().union(*steps[3:11])  # whole steps, from one optimizer step into the next
+    assert middle <= {"trainer.py", "task.py", "precision.py", "stop.py"}, middle
+    assert {"trainer.py", "task.py", "precision.py"} <= middle, middle
