@@ -2,7 +2,8 @@
 
 A port of a LightningModule changes its imports and base class: steps take `(batch)` or `(batch, batch_idx)`,
 whichever they declare; `training_step` returns a `StepOutput`, a loss tensor or a dict with `"loss"`; a
-validation or test step may return nothing and log with `self.log` instead. `self.log` takes a tensor, a number or
+validation or test step may return nothing and log with `self.log` instead; `predict_step` returns the columns a
+predict run writes (a dict of per-sample tensors). `self.log` takes a tensor, a number or
 a torchmetrics `Metric` with Lightning's keyword arguments. Lightning's hooks (`on_train_start`,
 `on_validation_epoch_end`, `on_save_checkpoint`, ...) are called where Lightning calls them (framework/
 task_hooks.py); the ones whose job a config group does here (`configure_optimizers`, ...) are refused at start
@@ -187,6 +188,12 @@ class Task(nn.Module):
     def test_step(self, batch: Any, batch_idx: int = 0) -> Any:
         return step_function(self, "validation_step")(batch, batch_idx)
 
+    def predict_step(self, batch: Any, batch_idx: int = 0) -> Any:
+        """What a predict run writes for a batch (framework/predictions.py): a dict of column name to a tensor
+        with one row per sample (or a list of N str/int/float). By default the model's output for the batch's
+        inputs, as column "output". The caller runs it in eval mode under inference_mode."""
+        return {"output": self(batch_inputs(batch))}
+
     def batch_size(self, batch: Any) -> int:
         """Samples in a batch, used to weight epoch averages; the first tensor's length by default."""
         first = batch[0] if isinstance(batch, (tuple, list)) else batch
@@ -214,6 +221,11 @@ class Task(nn.Module):
                 f"{error_line(err)}; expected a batch it takes {FULL_ERROR_HINT}"
             ) from err
         return as_step_output(out, name, training=split == "train")
+
+
+def batch_inputs(batch: Any) -> Any:
+    """A batch's inputs: the first item of an `(inputs, labels)` pair (or of a 1-tuple), else the batch itself."""
+    return batch[0] if isinstance(batch, (tuple, list)) else batch
 
 
 def _accepts_batch_idx(fn: Callable[..., Any], where: str) -> bool:
@@ -328,6 +340,11 @@ class ClassificationTask(Task):
 
     def test_step(self, batch: Any, batch_idx: int = 0) -> StepOutput:
         return self.evaluation_step(batch, "test")
+
+    def predict_step(self, batch: Any, batch_idx: int = 0) -> dict[str, torch.Tensor]:
+        """Each sample's class (int64) and the probabilities of every class (float32, softmax of the scores)."""
+        scores = self(batch_inputs(batch))
+        return {"prediction": scores.argmax(-1), "probabilities": scores.float().softmax(-1)}
 
     def evaluation_step(self, batch: Any, split: str) -> StepOutput:
         """A validation ("val") or test ("test") step: override this to change both."""
