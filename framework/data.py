@@ -13,10 +13,10 @@ resumed at batch k of an epoch sees exactly the batches an uninterrupted run wou
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Sized, cast
+from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Optional, Sequence, Sized, cast
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Subset
 
 from framework.errors import ConfigError, UserError
 from framework.instantiate import FULL_ERROR_HINT, error_line
@@ -204,6 +204,47 @@ class DataModule:
                 "of tensors, numbers or numpy arrays (e.g. images through a ToTensor transform) "
                 f"{FULL_ERROR_HINT}"
             ) from err
+
+    def predict_batches(
+        self,
+        split_or_dataset: str | Dataset,
+        rank: int = 0,
+        world_size: int = 1,
+        skip: Collection[int] = frozenset(),
+        *,
+        seed: int = 0,
+    ) -> Iterator[tuple[torch.Tensor, Any]]:
+        """`(indices, batch)` for a predict run: this rank's unpadded shard of a split (its name) or of a dataset
+        (rank, rank + world_size, ...: framework.predictions.predict_indices), in dataset order, less the indices
+        in `skip` (written by an earlier attempt), in batches of `eval_batch_size`, none dropped; `indices` holds
+        each sample's index in the dataset (int64). Batches are made as `batches` makes them: the in-memory fast
+        path for tensors, else a DataLoader with this module's collate and worker options (workers seeded from
+        `seed` and the rank)."""
+        split = split_or_dataset if isinstance(split_or_dataset, str) else "predict"
+        dataset = self.datasets.get(split) if isinstance(split_or_dataset, str) else split_or_dataset
+        if dataset is None:
+            raise ConfigError(f"data.{split}: no dataset; expected a dataset node with a _target_")
+        _check_dataset(split, dataset)
+        shard = EpochSampler(len(cast(Sized, dataset)), shuffle=False, rank=rank, world_size=world_size, pad=False)
+        indices = [i for i in shard.order().tolist() if i not in skip]
+        order = torch.tensor(indices, dtype=torch.int64)
+        size = self.eval_batch_size
+        tensors = dataset_tensors(dataset)
+        if tensors is not None and self.loader_options["num_workers"] == 0 and self.collate_fn is None:
+            for start in range(0, len(order), size):
+                rows = order[start : start + size]
+                yield rows, tuple(t.index_select(0, rows.to(t.device)) for t in tensors)
+            return
+        loader = DataLoader(
+            Subset(dataset, indices),
+            batch_size=size,
+            shuffle=False,
+            generator=generator(worker_seed(seed, 0, rank)),
+            collate_fn=self.collate_fn,
+            **self.loader_options,
+        )
+        for start, batch in zip(range(0, len(order), size), loader):
+            yield order[start : start + size], batch
 
     def close(self) -> None:
         """Stop the persistent worker processes now, each asked to exit and joined (exit code 0), rather than when
