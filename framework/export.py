@@ -1,6 +1,6 @@
 """Export a trained model for use outside this framework, and prove the export computes what the checkpoint does.
 
-    python -m framework.export RUN_DIR_OR_CHECKPOINT [--which best|last] [--out DIR]
+    python -m framework.export RUN_DIR_OR_CHECKPOINT [--format torchscript,onnx] [--which best|last] [--out DIR]
                                [--torchscript trace|script] [--raw] [--config-dir DIR]
 
 The model is rebuilt from the config stored in the checkpoint's meta.json and given its `model.safetensors`, or,
@@ -8,36 +8,50 @@ when the run evaluated an EMA of its weights (callbacks.ema with use_for_eval), 
 ones).
 Written to --out (default: RUN_DIR/export/):
 - `model.safetensors`: the plain state dict (no `module.` prefix), for `model.load_state_dict(load_file(...))`;
-- `model.pt`: TorchScript, from `torch.jit.trace` on the example batch (default) or `torch.jit.script`; it runs
-  without the Python class (`torch.jit.load`), but it is code: load trusted files only.
-The example batch is the model's own `example_input_array` when it has one (Lightning's name: a model taking
-token ids, say, gives a batch of them), else a random float batch of shape [2, *data.input_shape].
-Both files are then reloaded and run on that batch in eval mode against the checkpoint's model: the weights must
-give identical outputs, TorchScript outputs within float tolerance. Where CUDA is available, the TorchScript file
-is also run on the batch on CUDA against the model there: a trace records the device of each tensor the model makes
-(`torch.arange(n, device=x.device)` becomes the CPU), which fails on CUDA inputs; without CUDA, a program holding
-such a device is named in a warning. Errors are one line and exit code 1.
+- `model.pt` (--format torchscript): TorchScript, from `torch.jit.trace` on the example batch (default) or
+  `torch.jit.script`; it runs without the Python class (`torch.jit.load`), but it is code: load trusted files only;
+- `model.onnx` (--format onnx): ONNX, from `torch.onnx.export(..., dynamo=True)`, its batch dimension dynamic where
+  the model allows it; it needs the `export` extra (onnx, onnxscript, onnxruntime);
+- `export.json`: what each file was checked on and the largest absolute difference from the model it found.
+The default format is torchscript and onnx, ONNX only where its packages are installed (a note says when not).
+The example batch is real: the first batch of the run's val split (else test, else train), rebuilt from the saved
+config (its inputs; at most 16 samples); where the data cannot be built (its files are gone), the model's or task's
+`example_input_array` (Lightning's name). Every file is reloaded and run in eval mode on that batch and on a
+second one (of another size where the batch dimension is dynamic) against the checkpoint's model: the weights must
+give identical outputs, TorchScript outputs within rtol 1e-4 / atol 1e-5, onnxruntime's within 1e-4 absolute.
+Where CUDA is available, the TorchScript file is also run on the batch on CUDA against the model there: a trace
+records the device of each tensor the model makes (`torch.arange(n, device=x.device)` becomes the CPU), which fails
+on CUDA inputs; without CUDA, a program holding such a device is named in a warning. Errors are one line and exit
+code 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import sys
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from safetensors.torch import load_file, save
 
+from framework import export_onnx
+from framework.build import build_task
 from framework.checkpoint import META_FILE, MODEL_FILE, Checkpoint, check_compatible, open_checkpoint
-from framework.errors import UserError
-from framework.instantiate import build
+from framework.data import DataModule
+from framework.errors import ConfigError, UserError
+from framework.instantiate import build, error_line
 from framework.resume import as_data, check_saved_targets, conf_targets, framework_conf_dir
 
-WEIGHTS_FILE, TORCHSCRIPT_FILE = "model.safetensors", "model.pt"
+WEIGHTS_FILE, TORCHSCRIPT_FILE, REPORT_FILE = "model.safetensors", "model.pt", "export.json"
+FORMATS = ("torchscript", "onnx")
+EXAMPLE_SIZE = 16  # samples of the first batch exported on: tracing time does not grow with data.eval_batch_size
+SPLITS = ("val", "test", "train")  # where the example batch is taken from, in this order
 
 
 def find_checkpoint(path: Path, which: Optional[str]) -> Checkpoint:
@@ -63,8 +77,8 @@ def find_checkpoint(path: Path, which: Optional[str]) -> Checkpoint:
     return open_checkpoint(folder / which)
 
 
-def build_model(checkpoint: Checkpoint, trust: bool = False, conf_dir: Optional[Path] = None) -> torch.nn.Module:
-    """The model as the stored config builds it (random weights), in eval mode. The stored config is data:
+def saved_config(checkpoint: Checkpoint, trust: bool = False, conf_dir: Optional[Path] = None) -> DictConfig:
+    """The run's model, data and task nodes and seed, as its checkpoint saved them. The stored config is data:
     unless `trust`, its targets must be ones the project's config tree (`conf_dir`, default ./conf), the
     framework's, the framework's package or the project's packages name (as on resume)."""
     saved = checkpoint.meta["config"]
@@ -73,32 +87,134 @@ def build_model(checkpoint: Checkpoint, trust: bool = False, conf_dir: Optional[
             f"checkpoint {checkpoint.path}: its saved config has no model node; expected the config "
             "written by this framework"
         )
-    cfg = OmegaConf.create(as_data({"model": saved["model"]}))
+    nodes = {key: saved[key] for key in ("model", "data", "task", "seed") if saved.get(key) is not None}
+    cfg = OmegaConf.create(as_data(nodes))
     if not trust:
         project = Path.cwd()
         trees = [conf_dir or project / "conf", framework_conf_dir()]
         check_saved_targets(cfg, conf_targets(trees), project, f"the config saved in {checkpoint.path}")
-    return build(cfg.model, "model").eval()
+    return cfg
 
 
-def example_batch(checkpoint: Checkpoint, model: torch.nn.Module) -> torch.Tensor:
-    """The model's `example_input_array` (a tensor), else a float batch of [2, *data.input_shape]."""
-    example = getattr(model, "example_input_array", None)
-    if isinstance(example, torch.Tensor):
-        return example
-    if example is not None:
+def build_model(checkpoint: Checkpoint, trust: bool = False, conf_dir: Optional[Path] = None) -> torch.nn.Module:
+    """The model as the stored config builds it (random weights), in eval mode."""
+    return build(saved_config(checkpoint, trust, conf_dir).model, "model").eval()
+
+
+@dataclass
+class Example:
+    """What the model is exported on, and further real inputs to check the export on."""
+
+    batch: torch.Tensor
+    spare: Optional[torch.Tensor]  # more samples (never empty), e.g. of the second batch; None: none
+    source: str  # in words, e.g. "the first batch of data.val"
+    warnings: list[str] = field(default_factory=list)
+
+
+def example_input(cfg: DictConfig, model: torch.nn.Module) -> Example:
+    """A real batch of the run's data (`data_example`); where the data cannot be built, the model's or the task's
+    `example_input_array`; else one line naming what is missing."""
+    try:
+        example = data_example(cfg)
+    except UserError as err:
+        reason = str(err)
+    else:
+        if example is not None:
+            return example
+        reason = f"none of data.{', data.'.join(SPLITS)} gives a batch"
+    given = example_input_array(cfg, model)
+    if given is None:
         raise UserError(
-            f"{type(model).__name__}.example_input_array is a {type(example).__name__}; export expects "
-            "one tensor (the batch the model is traced and verified on)"
+            f"no example batch to export on: the run's data could not be built ({reason}); expected its files "
+            "where the saved config says (run export from the folder the run was trained in, or put them back), "
+            "or an example_input_array on the model"
         )
-    shape = checkpoint.meta["config"].get("data", {}).get("input_shape")
-    if not shape:
+    note = f"the run's data could not be built ({reason}); exported on the {given.source} instead"
+    given.warnings.append(note)
+    return given
+
+
+def data_example(cfg: DictConfig) -> Optional[Example]:
+    """The inputs of the first batch of the first split of val, test and train the data has (at most EXAMPLE_SIZE
+    samples of it), with the next ones (of that batch or the next) as spare; None if no split gives a batch."""
+    if "data" not in cfg:
+        return None
+    node = copy.deepcopy(cfg.data)
+    with open_dict(node):  # in this process: no worker processes to start for two batches
+        node.update(num_workers=0, persistent_workers=False, prefetch_factor=None, pin_memory=False)
+    data = build(node, "data")
+    if not isinstance(data, DataModule):
+        raise ConfigError(f"data._target_={node.get('_target_')!r}: expected a framework.data.DataModule")
+    data.setup(seed=int(cfg.get("seed", 0)))
+    for split in (s for s in SPLITS if data.has(s)):
+        try:
+            batches = iter(data.batches(split))
+            first = next(batches, None)
+            second = next(batches, None) if first is not None and len(inputs_of(first, split)) <= EXAMPLE_SIZE else None
+        except UserError:
+            raise
+        except Exception as err:  # noqa: BLE001  (whatever the dataset or collate raises)
+            raise ConfigError(f"data.{split}: making its first batches raised {error_line(err)}") from None
+        if first is None:
+            continue
+        inputs = inputs_of(first, split)
+        spare = inputs[EXAMPLE_SIZE : 2 * EXAMPLE_SIZE] if second is None else inputs_of(second, split)[:EXAMPLE_SIZE]
+        return Example(inputs[:EXAMPLE_SIZE], spare if len(spare) else None, f"first batch of data.{split}")
+    return None
+
+
+def inputs_of(batch: Any, split: str) -> torch.Tensor:
+    """A batch's inputs: the batch itself if a tensor, the first element of an (inputs, labels) pair."""
+    inputs = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+    if not isinstance(inputs, torch.Tensor):
         raise UserError(
-            f"checkpoint {checkpoint.path}: its config has no data.input_shape and the model no "
-            "example_input_array; expected the shape of one input, e.g. data.input_shape=[3,32,32], "
-            "to build the example batch"
+            f"data.{split}: its batches are {type(batch).__name__}s whose inputs are not one tensor; export "
+            "expects a tensor or an (inputs, labels) pair, or an example_input_array on the model"
         )
-    return torch.randn(2, *shape, generator=torch.Generator().manual_seed(0))
+    return inputs
+
+
+def example_input_array(cfg: DictConfig, model: torch.nn.Module) -> Optional[Example]:
+    """The model's `example_input_array` (Lightning's name), else the task's (the task built around a model of
+    the saved config), else None."""
+    given, owner = getattr(model, "example_input_array", None), "model"
+    if given is None and "task" in cfg:
+        task, _ = build_task(cfg)
+        given, owner = getattr(task, "example_input_array", None), "task"
+    if given is None:
+        return None
+    if not isinstance(given, torch.Tensor):
+        raise UserError(
+            f"the {owner}'s example_input_array is a {type(given).__name__}; export expects one tensor (the "
+            "batch the model is exported and verified on)"
+        )
+    return Example(given, None, f"{owner}'s example_input_array")
+
+
+def batches_to_check(model: torch.nn.Module, example: Example, dynamic: bool) -> tuple[list[torch.Tensor], bool]:
+    """`check_batches`, and whether the batch dimension is dynamic: not where the model itself refuses a batch of
+    another size (its code fixes the size, which an export may not see)."""
+    batches = check_batches(example, dynamic)
+    if dynamic:
+        try:
+            with torch.no_grad():
+                model(batches[1])
+        except Exception:  # noqa: BLE001  (whatever the model's forward raises on another size)
+            return check_batches(example, dynamic=False), False
+    return batches, dynamic
+
+
+def check_batches(example: Example, dynamic: bool) -> list[torch.Tensor]:
+    """The example and a second batch: another size where the batch dimension is `dynamic`, the same where not
+    (none if no spare samples fill one)."""
+    batch, spare, n = example.batch, example.spare, len(example.batch)
+    if not dynamic:
+        return [batch, spare[:n]] if spare is not None and len(spare) >= n else [batch]
+    if spare is not None and len(spare) != n:
+        return [batch, spare]
+    if spare is not None and n > 1:
+        return [batch, spare[: n - 1]]
+    return [batch, torch.cat([batch, batch[:1]])]  # no other samples: the example's and one of them again
 
 
 def to_torchscript(model: torch.nn.Module, batch: torch.Tensor, mode: str) -> torch.jit.ScriptModule:
@@ -130,52 +246,143 @@ def eval_weights(checkpoint: Checkpoint, raw: bool = False) -> tuple[dict[str, t
     return weights, "trained weights"
 
 
+@dataclass
+class Exported:
+    """What `export` wrote and found: the contents of export.json, the weights in words, the example."""
+
+    report: dict[str, Any]
+    which: str
+    example: Example
+
+
 def export(
     checkpoint: Checkpoint,
     out: Path,
+    formats: Sequence[str] = ("torchscript",),
     mode: str = "trace",
     trust: bool = False,
     raw: bool = False,
     conf_dir: Optional[Path] = None,
-) -> tuple[dict[str, float], str, torch.Tensor, Optional[str]]:
-    """Write the two files under `out`, reload them, and return the max abs difference of each from the
-    checkpoint's model on the example batch (raises UserError when outside tolerance; with CUDA, TorchScript's on
-    CUDA inputs too), which weights were exported, that batch, and a warning when, without CUDA to try it, the
-    TorchScript program fixes the device its tensors are made on."""
-    model = build_model(checkpoint, trust, conf_dir)
+) -> Exported:
+    """Write the weights and each of `formats` under `out`, reload them, check each against the checkpoint's
+    model on real batches (raises UserError, one line, outside tolerance), and write what was found to
+    export.json (the largest absolute difference of each format; with CUDA, TorchScript's on CUDA inputs too)."""
+    cfg = saved_config(checkpoint, trust, conf_dir)
+    model = build(cfg.model, "model").eval()
     weights, which = eval_weights(checkpoint, raw)
     check_compatible(model, weights, f"checkpoint {checkpoint.path}", strict=True)
     model.load_state_dict(weights)
-    batch = example_batch(checkpoint, model)
-    expected = _expected(model, batch)
+    example = example_input(cfg, model)
+    _expected(model, example.batch)
 
     out.mkdir(parents=True, exist_ok=True)
+    (out / REPORT_FILE).unlink(missing_ok=True)  # an earlier export's findings must not outlive its files
     state = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in model.state_dict().items()}
     metadata = {"source": str(checkpoint.path), "step": str(checkpoint.step)}
     (out / WEIGHTS_FILE).write_bytes(save(state, metadata=metadata))
-    to_torchscript(model, batch, mode).save(str(out / TORCHSCRIPT_FILE))
-
-    fresh = build_model(checkpoint, trust, conf_dir)
+    fresh = build(cfg.model, "model").eval()
     fresh.load_state_dict(load_file(str(out / WEIGHTS_FILE)))
-    scripted = _load_torchscript(out / TORCHSCRIPT_FILE, "cpu")
-    with torch.no_grad():
-        got = {WEIGHTS_FILE: fresh(batch), TORCHSCRIPT_FILE: scripted(batch)}
-    diffs = {name: (value - expected).abs().max().item() for name, value in got.items()}
-    if not torch.equal(got[WEIGHTS_FILE], expected):
+    checked = compare(fresh, model, batches_to_check(model, example, dynamic=True)[0], torch.equal, WEIGHTS_FILE)
+    if not checked.within:
         raise UserError(
             f"{out / WEIGHTS_FILE}: the reloaded weights give different outputs (max abs difference "
-            f"{diffs[WEIGHTS_FILE]:.3g}); expected identical ones"
+            f"{checked.max_abs_diff:.3g}); expected identical ones"
         )
-    if not torch.allclose(got[TORCHSCRIPT_FILE], expected, rtol=1e-4, atol=1e-5):
+    report: dict[str, Any] = {
+        "checkpoint": str(checkpoint.path),
+        "step": checkpoint.step,
+        "weights": which.split(" (")[0],
+        "example": {"source": example.source, "shape": list(example.batch.shape), "dtype": _dtype(example.batch)},
+        "safetensors": {"file": WEIGHTS_FILE, **checked.as_json()},
+    }
+    if "torchscript" in formats:
+        report.update(export_torchscript(model, example, out / TORCHSCRIPT_FILE, mode))
+    if "onnx" in formats:
+        report["onnx"] = export_to_onnx(model, example, out / export_onnx.ONNX_FILE)
+    (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    return Exported(report, which, example)
+
+
+@dataclass
+class Check:
+    """An export's outputs against the model's on some batches."""
+
+    max_abs_diff: float
+    batch_sizes: list[int]
+    within: bool  # every batch's outputs within the format's tolerance
+
+    def as_json(self) -> dict[str, Any]:
+        return {"max_abs_diff": self.max_abs_diff, "batches": len(self.batch_sizes), "batch_sizes": self.batch_sizes}
+
+
+def compare(
+    run: Callable[[torch.Tensor], torch.Tensor],
+    model: torch.nn.Module,
+    batches: list[torch.Tensor],
+    close: Callable[[torch.Tensor, torch.Tensor], bool],
+    name: str,
+) -> Check:
+    """`run`'s outputs on each batch against the model's (eval mode, no grad); `close(got, expected)` is the
+    format's tolerance. Outputs of another shape differ by infinity; a batch `run` fails on is one line."""
+    largest, within = 0.0, True
+    with torch.no_grad():
+        for batch in batches:
+            expected = model(batch)
+            try:
+                got = run(batch)
+            except Exception as err:  # noqa: BLE001  (TorchScript's and onnxruntime's errors are many-lined)
+                raise UserError(
+                    f"{name} does not run on a batch of {len(batch)}, which the model takes ({error_line(err)[:300]})"
+                ) from None
+            if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+                return Check(float("inf"), [len(b) for b in batches], False)
+            got = got.to(expected.device, expected.dtype)
+            largest = max(largest, (got - expected).abs().max().item() if expected.numel() else 0.0)
+            within = within and close(got, expected)
+    return Check(largest, [len(b) for b in batches], within)
+
+
+def export_torchscript(model: torch.nn.Module, example: Example, path: Path, mode: str) -> dict[str, Any]:
+    """Write the TorchScript file, reload it and check it on the example and a batch of another size (rtol 1e-4,
+    atol 1e-5); with CUDA, on CUDA inputs too. Returns export.json's entries for it."""
+    to_torchscript(model, example.batch, mode).save(str(path))
+    scripted = _load_torchscript(path, "cpu")
+    batches, _ = batches_to_check(model, example, dynamic=True)
+    checked = compare(scripted, model, batches, lambda a, b: torch.allclose(a, b, 1e-4, 1e-5), f"{path} ({mode})")
+    if not checked.within:
         raise UserError(
-            f"{out / TORCHSCRIPT_FILE}: TorchScript ({mode}) outputs differ from the model's by up to "
-            f"{diffs[TORCHSCRIPT_FILE]:.3g}; expected allclose (rtol 1e-4, atol 1e-5)"
-            + ("; a data-dependent branch may need --torchscript script" if mode == "trace" else "")
+            f"{path}: TorchScript ({mode}) outputs differ from the model's by up to {checked.max_abs_diff:.3g} on "
+            f"batches of {_sizes(checked)}; expected allclose (rtol 1e-4, atol 1e-5)"
+            + ("; a data-dependent branch or batch size may need --torchscript script" if mode == "trace" else "")
         )
+    entries: dict[str, Any] = {"torchscript": {"file": path.name, "mode": mode, **checked.as_json()}}
     if torch.cuda.is_available():
-        diffs[CUDA] = verify_on_cuda(out / TORCHSCRIPT_FILE, fresh, batch, mode)
-        return diffs, which, batch, None
-    return diffs, which, batch, fixed_device_warning(scripted, out / TORCHSCRIPT_FILE, mode)
+        diff = verify_on_cuda(path, model, example.batch, mode)
+        entries["torchscript_cuda"] = {"max_abs_diff": diff, "batches": 1, "batch_sizes": [len(example.batch)]}
+    else:
+        warning = fixed_device_warning(scripted, path, mode)
+        example.warnings.extend([warning] if warning else [])
+    return entries
+
+
+def export_to_onnx(model: torch.nn.Module, example: Example, path: Path) -> dict[str, Any]:
+    """Write the ONNX file, run it with onnxruntime (CPU) and check it on the example and a second batch, of another
+    size where its batch dimension is dynamic (1e-4 absolute). Returns export.json's entry for it."""
+    export_onnx.to_onnx(model, example.batch, path)
+    onnx_model = export_onnx.OnnxModel(path)
+    batches, dynamic = batches_to_check(model, example, onnx_model.dynamic_batch)
+    tolerance = export_onnx.ONNX_TOLERANCE
+    checked = compare(onnx_model, model, batches, lambda a, b: bool((a - b).abs().max() <= tolerance), f"{path}")
+    if not checked.within:
+        raise UserError(
+            f"{path}: onnxruntime's outputs differ from the model's by up to {checked.max_abs_diff:.3g} on "
+            f"batches of {_sizes(checked)}; expected at most {tolerance:g} (absolute)"
+        )
+    return {"file": path.name, "dynamic_batch": dynamic, **checked.as_json()}
+
+
+def _sizes(checked: Check) -> str:
+    return " and ".join(str(n) for n in checked.batch_sizes)
 
 
 def _expected(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -187,13 +394,13 @@ def _expected(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
         raise UserError(
             f"{type(model).__name__} did not run on the example batch, {_described(batch)} "
             f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}); "
-            "export expects a model taking one tensor: a float one of data.input_shape, or one "
-            "like its example_input_array attribute"
+            "export expects a model taking one tensor: the inputs of the run's batches, or one like its "
+            "example_input_array attribute"
         ) from None
     if not isinstance(expected, torch.Tensor):
         raise UserError(
             f"{type(model).__name__} returned a {type(expected).__name__}; export expects a model "
-            "returning one tensor (TorchScript outputs are compared with it)"
+            "returning one tensor (the exported files' outputs are compared with it)"
         )
     return expected
 
@@ -272,8 +479,12 @@ def _advice(mode: str) -> str:
     return "expected a model that creates its tensors on its input's device (device=x.device), not a fixed one"
 
 
+def _dtype(batch: torch.Tensor) -> str:
+    return str(batch.dtype).removeprefix("torch.")
+
+
 def _described(batch: torch.Tensor) -> str:
-    dtype = str(batch.dtype).removeprefix("torch.")
+    dtype = _dtype(batch)
     return f"{'an' if dtype[0] in 'aeiou' else 'a'} {dtype} tensor of shape {list(batch.shape)}"
 
 
@@ -283,9 +494,28 @@ def default_out(checkpoint: Checkpoint) -> Path:
     return path.parent.parent / "export" if path.parent.name == "checkpoints" else path / "export"
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parse_formats(value: str) -> tuple[str, ...]:
+    """--format's value: a comma-separated list of FORMATS."""
+    names = tuple(dict.fromkeys(name.strip() for name in value.split(",") if name.strip()))
+    unknown = [name for name in names if name not in FORMATS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: expected a comma-separated list of {', '.join(FORMATS)}, e.g. torchscript,onnx"
+        )
+    return names
+
+
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m framework.export", description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path, help="a run directory or a checkpoint directory")
+    parser.add_argument(
+        "--format",
+        type=parse_formats,
+        default=None,
+        help="what to write beside model.safetensors, comma-separated: torchscript (model.pt), onnx (model.onnx). "
+        "Default: both, ONNX only where onnx, onnxscript and onnxruntime are installed (pip install "
+        "'hydra-torch-framework[export]'); asking for onnx without them is an error",
+    )
     parser.add_argument(
         "--which",
         choices=("best", "last"),
@@ -305,7 +535,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--trust-saved-config",
         action="store_true",
-        help="build the model even if the saved config names targets this project does not",
+        help="build the model and data even if the saved config names targets this project does not",
     )
     parser.add_argument(
         "--config-dir",
@@ -313,27 +543,57 @@ def main(argv: Optional[list[str]] = None) -> int:
         default=None,
         help="your config tree, whose targets the saved config may name (default: ./conf)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    formats, notes = args.format, []
+    if formats is None:
+        formats = FORMATS if export_onnx.available() else ("torchscript",)
+        notes = [] if "onnx" in formats else [f"no model.onnx: {export_onnx.MISSING}"]
     try:
+        if "onnx" in formats:
+            export_onnx.require()
         checkpoint = find_checkpoint(args.path, args.which)
         out = args.out or default_out(checkpoint)
-        diffs, which, batch, warning = export(
-            checkpoint, out, args.torchscript, args.trust_saved_config, args.raw, args.config_dir
+        exported = export(
+            checkpoint, out, formats, args.torchscript, args.trust_saved_config, args.raw, args.config_dir
         )
     except UserError as err:
         print(f"Error: {err}", file=sys.stderr)
         return 1
-    if warning is not None:
+    for warning in exported.example.warnings:
         print(f"Warning: {warning}", file=sys.stderr)
-    print(
-        f"Exported {checkpoint.path} (step {checkpoint.step}), {which}:\n"
-        f"  {out / WEIGHTS_FILE}  weights (state dict)\n"
-        f"  {out / TORCHSCRIPT_FILE}  TorchScript ({args.torchscript})\n"
-        f"Verified on the example batch, {_described(batch)}, in eval mode, max abs difference: "
-        f"weights {diffs[WEIGHTS_FILE]:.3g} (identical), TorchScript {diffs[TORCHSCRIPT_FILE]:.3g}"
-        + (f", TorchScript on CUDA {diffs[CUDA]:.3g}" if CUDA in diffs else "")
-    )
+    for note in notes:
+        print(f"Note: {note}", file=sys.stderr)
+    print(summary(checkpoint, out, exported))
     return 0
+
+
+def summary(checkpoint: Checkpoint, out: Path, exported: Exported) -> str:
+    """What was written, and how close each file came to the model, for the console."""
+    report, example = exported.report, exported.example
+    files = [f"  {out / WEIGHTS_FILE}  weights (state dict)"]
+    diffs = [f"weights {report['safetensors']['max_abs_diff']:.3g} (identical)"]
+    if "torchscript" in report:
+        files.append(f"  {out / TORCHSCRIPT_FILE}  TorchScript ({report['torchscript']['mode']})")
+        diffs.append(f"TorchScript {report['torchscript']['max_abs_diff']:.3g}")
+    if "onnx" in report:
+        batch = "dynamic" if report["onnx"]["dynamic_batch"] else f"fixed at {len(example.batch)}"
+        files.append(f"  {out / export_onnx.ONNX_FILE}  ONNX (batch dimension {batch})")
+        diffs.append(f"ONNX (onnxruntime) {report['onnx']['max_abs_diff']:.3g}")
+    if "torchscript_cuda" in report:
+        diffs.append(f"TorchScript on CUDA {report['torchscript_cuda']['max_abs_diff']:.3g}")
+    seconds = {n for entry in report.values() if isinstance(entry, dict) for n in entry.get("batch_sizes", ())[1:]}
+    return (
+        f"Exported {checkpoint.path} (step {checkpoint.step}), {exported.which}:\n"
+        + "\n".join(files)
+        + f"\n  {out / REPORT_FILE}  the checks\n"
+        f"Verified in eval mode on the {example.source}, {_described(example.batch)}"
+        + (f", and a second of {' or '.join(map(str, sorted(seconds)))} samples" if seconds else "")
+        + f", max abs difference: {', '.join(diffs)}"
+    )
 
 
 if __name__ == "__main__":
