@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,8 @@ WRITE_OPTIONS: dict[str, Any] = {
     "version": "2.6",
     "data_page_version": "1.0",
 }
+# Parts live until the merge: written fast, not small.
+PART_OPTIONS = {**WRITE_OPTIONS, "compression": "none"}
 PART = re.compile(r"part-r(\d+)-(\d+)\.parquet")
 EXPECTED = "a tensor with one row per sample (shape [N] or [N, K]) or a list of N str, int, float or bool"
 
@@ -71,6 +74,9 @@ class PredictionWriter:
         self.out_dir, self.rank, self.chunk_rows = Path(out_dir), rank, chunk_rows
         self._pending: list[pa.RecordBatch] = []
         self._pending_rows = 0
+        # A chunk is written in a thread of its own while the next is predicted (pyarrow and fsync release the GIL).
+        self._writing: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             # This rank's half-written chunk of a killed attempt; other ranks' .tmp files may be in progress.
@@ -97,7 +103,7 @@ class PredictionWriter:
         to values (a bare tensor is the column "output"). Written out once `chunk_rows` rows are pending."""
         if indices.dim() != 1 or indices.dtype != torch.int64:
             raise TypeError(f"indices: expected a 1-D int64 tensor, got {_describe(indices)}")
-        batch = record_batch(indices.cpu().numpy(), outputs)
+        batch = record_batch(indices.to("cpu", copy=True).numpy(), outputs)
         if self._schema is None:
             self._schema = batch.schema
         elif not batch.schema.equals(self._schema):
@@ -108,18 +114,39 @@ class PredictionWriter:
             self._flush()
 
     def close(self) -> None:
-        """Write the last partial chunk (fsync'd, renamed into place)."""
+        """Write the last partial chunk and wait until every chunk is on disk (fsync'd, renamed into place)."""
         self._flush()
+        self._wait()
 
     def _flush(self) -> None:
         if not self._pending_rows:
             return
-        table = pa.Table.from_batches(self._pending).combine_chunks()
+        self._wait()  # one chunk in flight at most: memory holds two chunks, not the data set
         path = self.out_dir / f"part-r{self.rank:05d}-{self._seq:06d}.parquet"
-        with _atomic_parquet(path, table.schema) as writer:
-            writer.write_table(table, row_group_size=table.num_rows)
+        self._writing = threading.Thread(
+            target=self._write, args=(self._pending, path), name=f"predictions {path.name}"
+        )
+        self._writing.start()
         self._seq += 1
         self._pending, self._pending_rows = [], 0
+
+    def _wait(self) -> None:
+        """The chunk in flight written, or its error (a UserError naming the folder) raised here."""
+        if self._writing is not None:
+            self._writing.join()
+            self._writing = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _write(self, batches: list[pa.RecordBatch], path: Path) -> None:
+        """In the chunk's thread (not a daemon: a process exiting waits for its chunk to land)."""
+        try:
+            table = pa.Table.from_batches(batches).combine_chunks()
+            with _atomic_parquet(path, table.schema, PART_OPTIONS) as writer:
+                writer.write_table(table, row_group_size=table.num_rows)
+        except BaseException as err:  # raised in the caller's thread, at its next chunk or close
+            self._error = err
 
 
 def record_batch(indices: np.ndarray, outputs: Mapping[str, Any] | torch.Tensor) -> pa.RecordBatch:
@@ -159,7 +186,7 @@ def column(name: str, value: Any, rows: int) -> pa.Array:
 def _tensor_column(name: str, value: torch.Tensor, rows: int) -> pa.Array:
     if value.dim() == 0 or len(value) != rows or 0 in value.shape[1:] or value.is_complex():
         raise _bad(name, value, rows)
-    value = value.detach().cpu()
+    value = value.detach().to("cpu", copy=True)  # a copy: Arrow shares numpy's memory, and a step may reuse it
     if value.dtype == torch.bfloat16:  # Arrow has no bfloat16; float32 holds each of its values exactly
         value = value.float()
     try:
@@ -312,14 +339,16 @@ def _unwritable(path: Path, err: OSError) -> UserError:
 
 
 @contextlib.contextmanager
-def _atomic_parquet(path: Path, schema: pa.Schema) -> Iterator[pq.ParquetWriter]:
+def _atomic_parquet(
+    path: Path, schema: pa.Schema, options: Mapping[str, Any] = WRITE_OPTIONS
+) -> Iterator[pq.ParquetWriter]:
     """A ParquetWriter whose file appears at `path` only once complete: written to `path.tmp`, fsync'd, renamed
     (then the folder fsync'd, so the rename survives a crash). An OSError is a UserError naming the path."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as file:
-            with pq.ParquetWriter(file, schema, **WRITE_OPTIONS) as writer:
+            with pq.ParquetWriter(file, schema, **options) as writer:
                 yield writer
             file.flush()
             os.fsync(file.fileno())

@@ -5,7 +5,9 @@ written, is one UserError line; two real gloo ranks write their shares and rank 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +50,20 @@ def predict(out_dir: Path, total: int, world: int, *, chunk_rows: int = 8, stop_
         todo = torch.tensor([i for i in predict_indices(total, rank, world) if i not in done], dtype=torch.int64)
         for batch, start in enumerate(range(0, len(todo), BATCH)):
             if stop_after is not None and batch == stop_after.get(rank):
+                abandon(writer)
                 break
             writer.write(todo[start : start + BATCH], outputs(todo[start : start + BATCH]))
         else:
             writer.close()
+
+
+def abandon(writer: PredictionWriter) -> None:
+    """Drop a writer without closing it, and let the chunk it was writing in its thread land, as it would in a
+    process killed a moment later: what it holds in memory is lost."""
+    for thread in threading.enumerate():
+        if thread.name.startswith("predictions part-"):
+            thread.join(timeout=60)
+            assert not thread.is_alive()
 
 
 @pytest.mark.parametrize("total", [0, 1, 7, 10, 11])
@@ -88,9 +100,11 @@ def test_each_rank_streams_whole_batches_in_chunks_of_part_files(tmp_path):
     writer = PredictionWriter(tmp_path, 1, 2, chunk_rows=8)
     for start in range(0, 20, BATCH):
         writer.write(torch.arange(start, start + BATCH), {"y": torch.zeros(BATCH)})
-    assert [pq.read_metadata(p).num_rows for p in part_files(tmp_path)] == [8, 8]  # on disk before close
+    # On disk before close: the first chunk (the second may still be on its way, written while we predict).
+    assert pq.read_metadata(part_files(tmp_path)[0]).num_rows == 8
     writer.close()
     assert [p.name for p in part_files(tmp_path)] == [f"part-r00001-00000{k}.parquet" for k in range(3)]
+    assert [pq.read_metadata(p).num_rows for p in part_files(tmp_path)] == [8, 8, 4]  # whole batches
     assert writer.done() == set(range(20))
 
 
@@ -229,6 +243,16 @@ def test_a_folder_that_cannot_be_written_is_one_line_naming_it(tmp_path):
         merge(tmp_path / "parts", 2, blocker / "p.parquet")
     assert "\n" not in str(err.value)
     assert len(part_files(tmp_path / "parts")) == 1  # kept for a merge that can write
+
+
+def test_a_folder_replaced_by_a_file_while_writing_is_one_line_at_close(tmp_path):
+    writer = PredictionWriter(tmp_path / "parts", 0, 1)
+    writer.write(torch.arange(2), {"y": torch.zeros(2)})
+    shutil.rmtree(tmp_path / "parts")
+    (tmp_path / "parts").write_text("")
+    with pytest.raises(UserError, match=f"cannot write to {tmp_path / 'parts'}") as err:
+        writer.close()
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through a read-only mode")
