@@ -139,6 +139,9 @@ def _run(cfg: DictConfig, started: Optional[list[bool]] = None) -> Optional[floa
     """Validate, settle the config (a resumed run's is its checkpoint's), lock the run directory, train; after a
     fast_dev_run, remove what it wrote. `started` gets an item once training is handed over (a later failure is
     no longer "refused at start")."""
+    if cfg.get("stage", "fit") != "fit":
+        _evaluate(cfg, started)
+        return None
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
@@ -159,6 +162,40 @@ def _run(cfg: DictConfig, started: Optional[list[bool]] = None) -> Optional[floa
     if rank_zero and cfg.trainer.fast_dev_run and not multirun:  # a check of the code, not a run: keep nothing
         rundir.discard_dev_run(run_dir, before)
     return summary.get(cfg.checkpoint.monitor or "val/acc")
+
+
+def _evaluate(fresh: DictConfig, started: Optional[list[bool]]) -> dict[str, Any]:
+    """validate/test ckpt=: the saved run's config (trusted as resume= trusts it) with this command line on top, in a
+    run directory of its own; the saved run is only read."""
+    from framework import stages  # torch: imported once the config is known good
+
+    hydra_cfg = HydraConfig.get()
+    run_dir, rank_zero = Path(hydra_cfg.runtime.output_dir), os.environ.get("RANK", "0") == "0"
+    resolve_all(fresh)
+    config.validate(fresh)
+    checkpoint = stages.find_checkpoint(str(fresh.ckpt))
+    saved = resume.saved_run(str(checkpoint.path), checkpoint)
+    if saved is not None:
+        saved.evaluated = True
+    overrides = list(hydra_cfg.overrides.task)
+    cfg, choices = _settled(fresh, dict(hydra_cfg.runtime.choices), saved, overrides, hydra_cfg)
+    stages.evaluation_only(cfg)
+    resolve_all(cfg)
+    config.validate(cfg)
+    if rank_zero and str(hydra_cfg.output_subdir or "").startswith(".hydra/"):
+        raise ConfigError(f"hydra.run.dir={str(run_dir)!r} already holds a run; expected another directory")
+    with rundir.RunDirLock(run_dir) if rank_zero else contextlib.nullcontext():
+        recording = provenance.BackgroundWrite(run_dir, Path(hydra_cfg.runtime.cwd), overrides) if rank_zero else None
+        try:
+            if started is not None:
+                started.append(True)
+            summary = launch(cfg, run_dir, checkpoint, None, choices)
+            if rank_zero and (run_dir / "summary.json").is_file():
+                summary = _write_summary(run_dir, summary)
+        finally:
+            if recording is not None:
+                recording.join()
+    return summary
 
 
 def _new_run_refused(run_dir: Path) -> str:

@@ -55,7 +55,7 @@ def build_components(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Comp
     data = build_data(cfg, strategy)
     task, model_attr = build_task(cfg)
     task_hooks.refuse_replaced(task)
-    task_hooks.call_if_defined(task, "setup", "fit")  # before placing and wrapping, as Lightning does
+    task_hooks.call_if_defined(task, "setup", cfg.get("stage", "fit"))  # before placing and wrapping, as Lightning
     model: Any = place(cfg, task, model_attr, strategy)
     precision = Precision(cfg.precision.mode.value, strategy.device)
     if t.compile:

@@ -70,6 +70,7 @@ def _main() -> None:
         sys.path.insert(0, os.getcwd())
     config.register()  # the structured-config schemas the framework's tree is composed against
     Plugins.instance().register(FrameworkConfigs)
+    sys.argv = _with_stage(sys.argv)
     sys.argv, trees = _user_tree(sys.argv)
     sys.argv += launch.rank_zero_only_overrides()  # under torchrun: one run directory, from rank 0
     name = _option(sys.argv[1:], _CONFIG_NAME) or "config"
@@ -89,6 +90,17 @@ class FrameworkConfigs(SearchPathPlugin):
         tree = str(resume.framework_conf_dir())
         if resume.source_dir(tree) not in {resume.source_dir(e.path) for e in search_path.get_path() if e.path}:
             search_path.append("framework", tree)
+
+
+def _with_stage(argv: list[str]) -> list[str]:
+    """LightningCLI's subcommand (`python run.py test ckpt=RUN_DIR`, also after Hydra's options: `-m test`): the
+    override `stage=test`. A bare word is never an override, so only an option's value (`-cn test`) is not one.
+    Without one the stage is the config's (`fit`)."""
+    takes_value = {*_CONFIG_DIR, *_CONFIG_PATH, *_CONFIG_NAME, "--info", "-p", "--package"}
+    for i, arg in enumerate(argv[1:], start=1):
+        if arg in config.STAGES and argv[i - 1] not in takes_value:
+            return [*argv[:i], *argv[i + 1 :], f"stage={arg}"]
+    return argv
 
 
 def _option(args: Sequence[str], names: tuple[str, str]) -> Optional[str]:

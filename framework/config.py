@@ -131,6 +131,10 @@ class RootConfig:
     name: str = MISSING
     seed: int = 42
     resume: Optional[str] = None  # RUN_DIR, CHECKPOINT_DIR or auto
+    # What the command does (LightningCLI's subcommands: `python run.py test ckpt=RUN_DIR`): fit, or validate, test
+    # or predict the weights of `ckpt` (a run directory, its best else last; or a checkpoint directory).
+    stage: str = "fit"
+    ckpt: Optional[str] = None
     init_from: Optional[str] = None  # weights only (fine-tuning)
     init_strict: bool = True
     trust_saved_config: bool = False  # resume may build any _target_ the saved config names (a run you trust)
@@ -416,6 +420,33 @@ def validate(cfg: DictConfig) -> None:
     if isinstance(cfg.data, DictConfig):
         _check_data(cfg.data)
     _check_hardware(cfg.trainer.device, cfg.parallel)
+    _check_stage(cfg)
+
+
+STAGES = ("fit", "validate", "test", "predict")
+
+
+def _check_stage(cfg: DictConfig) -> None:
+    """fit trains (resume= continues a run); validate, test and predict evaluate the weights of ckpt=."""
+    stage = cfg.get("stage", "fit")
+    _require(stage in STAGES, "stage", stage, f"one of {', '.join(STAGES)} (the first word: python run.py test ...)")
+    if stage == "fit":
+        _require(
+            cfg.get("ckpt") is None,
+            "ckpt",
+            cfg.get("ckpt"),
+            "null for fit (resume=RUN_DIR continues a run, init_from=PATH starts one from its weights), or "
+            "validate/test/predict as the first word to evaluate it",
+        )
+        return
+    if cfg.get("ckpt") is None:
+        raise ConfigError(
+            f"{stage}: ckpt is not set; expected the run directory or checkpoint directory whose weights to "
+            f"{stage}, e.g. python run.py {stage} ckpt=outputs/NAME/TIME"
+        )
+    _require(
+        not cfg.resume, "resume", cfg.resume, f"null with {stage} (resume= continues training; ckpt= names the weights)"
+    )
 
 
 def _check_trainer(t: DictConfig) -> None:

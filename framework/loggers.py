@@ -100,13 +100,17 @@ def print_summary(summary: Mapping[str, Any], run_dir: Path, kept: bool = True) 
     keeps nothing (`kept=False`: a fast_dev_run, whose run directory the app removes), that nothing was kept."""
     metrics = {k: v for k, v in summary.items() if "/" in k and isinstance(v, (int, float))}
     shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if not math.isnan(v))
-    epochs = _count(summary["epoch"], "epoch")
-    if summary.get("batch_in_epoch"):  # stopped mid-epoch (max_steps, a signal, a callback)
-        epochs += f" and {summary['batch_in_epoch']} of {summary['epoch_batches']} batches"
-    lines = [
-        f"Done in {summary['seconds']:.1f} s: {epochs}, {_count(summary['step'], 'step')} "
-        f"({summary['precision']}, world size {summary['world_size']})"
-    ]
+    how = f"({summary['precision']}, world size {summary['world_size']})"
+    if summary.get("stage", "fit") != "fit":  # validate/test/predict of a saved run's weights
+        lines = [
+            f"{str(summary['stage']).capitalize()} done in {summary['seconds']:.1f} s: the {summary['weights']} of "
+            f"{summary['checkpoint']} (step {summary['step']}) {how}"
+        ]
+    else:
+        epochs = _count(summary["epoch"], "epoch")
+        if summary.get("batch_in_epoch"):  # stopped mid-epoch (max_steps, a signal, a callback)
+            epochs += f" and {summary['batch_in_epoch']} of {summary['epoch_batches']} batches"
+        lines = [f"Done in {summary['seconds']:.1f} s: {epochs}, {_count(summary['step'], 'step')} {how}"]
     if shown:
         lines.append(f"  {shown}")
     if kept:

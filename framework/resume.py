@@ -48,7 +48,8 @@ STATE_GROUPS = {
     "data": "its position in the data",
     "experiment": "a preset sets many groups at once",
 }
-_NOT_FROM_SAVED = ("resume", "init_from", "trust_saved_config")  # this invocation's own, never the saved run's
+# This invocation's own, never the saved run's.
+_NOT_FROM_SAVED = ("resume", "init_from", "trust_saved_config", "stage", "ckpt")
 _META_MAX_BYTES = 64 * 2**20
 
 
@@ -346,7 +347,8 @@ def argv_with_saved_choices(argv: list[str], conf_dirs: list[Path], config_name:
     are left to the saved config alone."""
     args = argv[1:]
     overrides = [a for a in args if "=" in a and not a.startswith("-")]
-    resume = next((a.split("=", 1)[1] for a in overrides if _override_key(a) == "resume"), None)
+    # resume= continues a run; ckpt= names the one a validate/test/predict stage evaluates: both compose as it did.
+    resume = next((a.split("=", 1)[1] for a in overrides if _override_key(a) in ("resume", "ckpt")), None)
     if not resume or "-m" in args or "--multirun" in args:
         return argv
     if resume == AUTO:
@@ -448,6 +450,15 @@ class SavedRun:
     values: dict[str, Any]  # the values the run had, to list what this command line changes
     choices: dict[str, Optional[str]]
     state: bool
+    # Evaluated by a validate/test/predict stage, not continued: only its weights carry over, so another data,
+    # optimizer or seed is fine, and another model (or preset) is not.
+    evaluated: bool = False
+
+    def locked(self) -> dict[str, str]:
+        """The groups whose option cannot change, and what of the run would not carry over."""
+        if self.evaluated:
+            return {g: why for g, why in STATE_GROUPS.items() if g in ("model", "experiment")}
+        return STATE_GROUPS
 
 
 def saved_run(resume: Optional[str], checkpoint: Any) -> Optional[SavedRun]:
@@ -500,7 +511,7 @@ def resumed_config(
 
     overrides = OverridesParser.create().parse_overrides([str(o) for o in task_overrides])
     rechosen = _rechosen(saved, overrides, choices)
-    if saved.state:
+    if saved.state and not saved.evaluated:
         given = {override.key_or_group for override in overrides}
         for key, why in (
             ("seed", "its random streams and data order are restored from the checkpoint"),
@@ -527,15 +538,17 @@ def resumed_config(
             _delete(merged, key)
         else:
             OmegaConf.update(merged, key, _raw(fresh, key), merge=False, force_add=True)
-    for group in ("model", "optimizer") if saved.state else ():
+    for group in [g for g in ("model", "optimizer") if g in saved.locked()] if saved.state else ():
         old_target = (saved.config.get(group) or {}).get("_target_")
         new_target = OmegaConf.select(merged, f"{group}._target_")
         if old_target != new_target:
             raise ConfigError(
                 f"{group}._target_={new_target!r}: the run used {old_target!r}, and "
-                f"{STATE_GROUPS[group]} cannot carry over on resume; expected {old_target!r}"
+                f"{STATE_GROUPS[group]} cannot carry over; expected {old_target!r}"
             )
-    _report_changes(saved.values, merged, rechosen, saved.choices, choices)
+    _report_changes(
+        saved.values, merged, rechosen, saved.choices, choices, "Evaluating" if saved.evaluated else "Resuming"
+    )
     kept = {group: option for group, option in saved.choices.items() if group not in rechosen}
     return merged, {**choices, **kept}
 
@@ -551,10 +564,10 @@ def _rechosen(saved: SavedRun, overrides: list[Any], choices: dict[str, Optional
         old, new = saved.choices.get(group, choices[group]), choices[group]
         if old == new:
             continue
-        if group in STATE_GROUPS and (saved.state or group == "experiment"):
+        if group in saved.locked() and (saved.state or group == "experiment"):
             raise ConfigError(
-                f"{group}={new}: the run used {group}={old}, and {STATE_GROUPS[group]} cannot carry "
-                f"over to another option on resume; expected {group}={old} or no {group}="
+                f"{group}={new}: the run used {group}={old}, and {saved.locked()[group]} cannot carry over "
+                f"to another option{'' if saved.evaluated else ' on resume'}; expected {group}={old} or no {group}="
                 f"{_new_run_hint(saved, group, new)}"
             )
         rechosen.append(group)
@@ -598,7 +611,12 @@ def _merged(fresh: DictConfig, saved: SavedRun, rechosen: list[str], own: tuple[
 
 
 def _report_changes(
-    saved: dict[str, Any], merged: DictConfig, rechosen: list[str], old_choices: dict[str, Any], choices: dict[str, Any]
+    saved: dict[str, Any],
+    merged: DictConfig,
+    rechosen: list[str],
+    old_choices: dict[str, Any],
+    choices: dict[str, Any],
+    doing: str = "Resuming",
 ) -> None:
     try:
         now = _leaves(OmegaConf.to_container(merged, resolve=True, enum_to_str=True))
@@ -617,7 +635,7 @@ def _report_changes(
         if key not in now and key.split(".")[0] not in _NOT_FROM_SAVED
     ]
     if changed:
-        log.warning("Resuming with a changed config (from this command line):\n  %s", "\n  ".join(changed))
+        log.warning("%s with a changed config (from this command line):\n  %s", doing, "\n  ".join(changed))
 
 
 # ---------------------------------------------------------------------------------------------- trust

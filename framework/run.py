@@ -94,8 +94,7 @@ class Run:
             or self.strategy.world_size == 1
             or task_hooks.task_callback(self.task) is not None
         )
-        before_step = self.callbacks.bound("on_before_optimizer_step")
-        # A partial, not a lambda: the step calls the hook without entering this file.
+        before_step = self.callbacks.bound("on_before_optimizer_step")  # (a partial: a step never enters run.py)
         self._before_step = functools.partial(before_step, self, self.task, self.optimizer) if before_step else None
         self._before_zero_grad = self.callbacks.bound("on_before_zero_grad")
         self.state = self._register_state(choices)

@@ -163,6 +163,7 @@ def sweep_subdir(*, _root_: DictConfig) -> str:
             str(o.input_line) for o in overrides if o.key_or_group in swept and o.key_or_group not in style.exclude_keys
         )
         name = str(style.item_sep).join(lines).replace("=", str(style.kv_sep))
+    name = name.replace("/", "%2F")  # a swept path (ckpt=RUN/checkpoints/best) names one directory, not a tree
     return f"{hydra_cfg.job.num}_{name}" if name else str(hydra_cfg.job.num)
 
 

@@ -1,0 +1,138 @@
+"""After training: `validate` and `test` the weights of a saved run, as LightningCLI's subcommands do
+(`python run.py test ckpt=RUN_DIR`), in a run directory of their own; the saved run is only read.
+
+`ckpt=` names a run directory (its `best` checkpoint when it kept one, else its newest intact one: `last`), a
+checkpoint directory, or `RUN_DIR/checkpoints/NAME`. The run's own config is the base (app.py settles it as for
+resume=, under the same trust rules); this command line's overrides change the data, the split's limits,
+`parallel=`, `precision=` or the batch size, never the model. The weights evaluated are the ones the run evaluated:
+its EMA's where its EMA callback had `use_for_eval`. The training run's callbacks are not built (they belong to
+training); the task's own hooks (`on_test_start`, ...) are called as in fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, open_dict
+
+from framework import task_hooks
+from framework.checkpoint import Checkpoint, DamagedCheckpoint, find_latest, open_checkpoint
+from framework.errors import ConfigError
+from framework.loggers import print_summary, write_json
+from framework.preflight import check_first_batches
+from framework.run import Run
+
+log = logging.getLogger("framework.trainer")  # run.log's lines of a run, whatever its stage
+SPLITS = {"validate": "val", "test": "test"}  # the split each evaluating stage reads
+
+
+def find_checkpoint(ckpt: str) -> Checkpoint:
+    """The checkpoint `ckpt=` names: a checkpoint directory, or a run directory's best, else its newest intact one
+    (a damaged best is skipped with a warning, as resume skips a damaged checkpoint)."""
+    path, where = Path(ckpt), f"ckpt={ckpt!r}"
+    expected = (
+        "expected a run directory (its best checkpoint, else last), a checkpoint directory or RUN_DIR/checkpoints/NAME"
+    )
+    if not path.is_dir():
+        raise ConfigError(f"{where}: {'not a directory' if path.exists() else 'no such directory'}; {expected}")
+    if (path / "meta.json").exists():
+        try:
+            return open_checkpoint(path)
+        except DamagedCheckpoint as err:
+            raise ConfigError(f"{where}: {err}") from None
+    if not (path / "checkpoints").is_dir():
+        raise ConfigError(
+            f"{where}: neither a checkpoint (no meta.json) nor a run directory (no checkpoints/); {expected}"
+        )
+    best = path / "checkpoints" / "best"
+    if best.is_dir():
+        try:
+            return open_checkpoint(best)
+        except DamagedCheckpoint as err:
+            log.warning("%s: its best checkpoint is damaged (%s); using its newest intact one", where, err)
+    found = find_latest(path)
+    if found is None:
+        raise ConfigError(f"{where}: no intact checkpoint under {path / 'checkpoints'}; {expected}")
+    return found
+
+
+def evaluate(
+    cfg: DictConfig, run_dir: Path, checkpoint: Checkpoint, choices: Optional[dict[str, Any]]
+) -> dict[str, Any]:
+    """Validate or test `checkpoint`'s weights on this config's data, on every rank; rank 0 writes summary.json and
+    prints the closing lines. Returns the summary."""
+    start, stage = time.perf_counter(), str(cfg.stage)
+    split = SPLITS[stage]
+    run = Run(cfg, run_dir, choices=choices)
+    finished = False
+    try:
+        if not run.data.has(split):
+            raise ConfigError(
+                f"data.{split}: null, so there is nothing to {stage}; expected a data.{split} split "
+                f"(e.g. data.{split}=... on the command line)"
+            )
+        which = _load_weights(run, checkpoint)
+        check_first_batches(run.task, run.model_attr, run.evaluator, {})  # data that does not fit: one line
+        run.callbacks.call(f"on_{'validation' if split == 'val' else 'test'}_start", run, run.task)
+        metrics = run.evaluator.run(split, checkpoint.step)
+        with run.metric_logger.no_logging(f"on_{'validation' if split == 'val' else 'test'}_end"):
+            run.callbacks.call(f"on_{'validation' if split == 'val' else 'test'}_end", run, run.task, metrics)
+        finished = True
+    finally:
+        run.logger.close()
+        task_hooks.call_if_defined(run.task, "teardown", stage)
+        run.strategy.teardown(finished)
+    summary = _summary(run, stage, checkpoint, which, metrics, time.perf_counter() - start)
+    if run.strategy.is_rank_zero:
+        write_json(run_dir / "summary.json", summary)
+        print_summary(summary, run_dir)
+    return summary
+
+
+def _load_weights(run: Run, checkpoint: Checkpoint) -> str:
+    """The weights the run evaluated into the model, on every rank; which, in words."""
+    from framework.export import eval_weights
+
+    if run.strategy.sharded:  # each rank reads its own shards of the weights (its EMA's averages are not gathered)
+        run.module.load_state_dict(checkpoint.model_state(run.strategy.mesh))
+        return "trained weights"
+    weights, which = eval_weights(checkpoint)
+    try:
+        run.module.load_state_dict(weights)
+    except RuntimeError as err:
+        raise ConfigError(f"ckpt={str(checkpoint.path)!r}: its weights do not fit this model ({err})") from None
+    if run.strategy.is_rank_zero:
+        log.info("Evaluating %s of %s (step %d)", which.split(" (")[0], checkpoint.path, checkpoint.step)
+    return which.split(" (")[0]
+
+
+def _summary(
+    run: Run, stage: str, checkpoint: Checkpoint, which: str, metrics: dict[str, float], seconds: float
+) -> dict[str, Any]:
+    """What the stage reports: its metrics, what it evaluated, and the fields fit's closing lines read."""
+    return {
+        **metrics,
+        "status": "ok",
+        "stage": stage,
+        "checkpoint": str(checkpoint.path),
+        "weights": which,
+        "step": checkpoint.step,
+        "epoch": int(checkpoint.meta.get("epoch", 0)),
+        "seconds": round(seconds, 3),
+        "world_size": run.strategy.world_size,
+        "precision": run.precision.name,
+    }
+
+
+def evaluation_only(cfg: DictConfig) -> None:
+    """What of the saved config belongs to training, off: its callbacks (early stopping, EMA, timers), a scheduler
+    (a monitored one would ask for a val split), and checkpoint policies (a stage saves none)."""
+    with open_dict(cfg):
+        cfg.callbacks = {}
+        cfg.scheduler = {"_target_": None}
+        cfg.checkpoint.monitor, cfg.checkpoint.save_top_k, cfg.checkpoint.save_last = None, 0, False
+        cfg.checkpoint.every_n_steps, cfg.checkpoint.every_n_epochs = 0, 0
+        cfg.trainer.test_ckpt = None
