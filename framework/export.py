@@ -77,18 +77,23 @@ def find_checkpoint(path: Path, which: Optional[str]) -> Checkpoint:
     return open_checkpoint(folder / which)
 
 
-def saved_config(checkpoint: Checkpoint, trust: bool = False, conf_dir: Optional[Path] = None) -> DictConfig:
-    """The run's model, data and task nodes and seed, as its checkpoint saved them. The stored config is data:
-    unless `trust`, its targets must be ones the project's config tree (`conf_dir`, default ./conf), the
-    framework's, the framework's package or the project's packages name (as on resume)."""
+def saved_config(
+    checkpoint: Checkpoint,
+    trust: bool = False,
+    conf_dir: Optional[Path] = None,
+    nodes: Sequence[str] = ("model", "data"),
+) -> DictConfig:
+    """The run's `nodes` (of those it has) and seed, as its checkpoint saved them. The stored config is data:
+    unless `trust`, their targets must be ones the project's config tree (`conf_dir`, default ./conf), the
+    framework's, the framework's package or the project's packages name (as on resume); only what is built is
+    checked, so a node export does not build cannot stop it."""
     saved = checkpoint.meta["config"]
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
         raise UserError(
             f"checkpoint {checkpoint.path}: its saved config has no model node; expected the config "
             "written by this framework"
         )
-    nodes = {key: saved[key] for key in ("model", "data", "task", "seed") if saved.get(key) is not None}
-    cfg = OmegaConf.create(as_data(nodes))
+    cfg = OmegaConf.create(as_data({key: saved[key] for key in (*nodes, "seed") if saved.get(key) is not None}))
     if not trust:
         project = Path.cwd()
         trees = [conf_dir or project / "conf", framework_conf_dir()]
@@ -98,7 +103,7 @@ def saved_config(checkpoint: Checkpoint, trust: bool = False, conf_dir: Optional
 
 def build_model(checkpoint: Checkpoint, trust: bool = False, conf_dir: Optional[Path] = None) -> torch.nn.Module:
     """The model as the stored config builds it (random weights), in eval mode."""
-    return build(saved_config(checkpoint, trust, conf_dir).model, "model").eval()
+    return build(saved_config(checkpoint, trust, conf_dir, ("model",)).model, "model").eval()
 
 
 @dataclass
@@ -111,9 +116,9 @@ class Example:
     warnings: list[str] = field(default_factory=list)
 
 
-def example_input(cfg: DictConfig, model: torch.nn.Module) -> Example:
+def example_input(cfg: DictConfig, model: torch.nn.Module, task_config: Callable[[], DictConfig]) -> Example:
     """A real batch of the run's data (`data_example`); where the data cannot be built, the model's or the task's
-    `example_input_array`; else one line naming what is missing."""
+    (built from `task_config()`) `example_input_array`; else one line naming what is missing."""
     try:
         example = data_example(cfg)
     except UserError as err:
@@ -122,7 +127,7 @@ def example_input(cfg: DictConfig, model: torch.nn.Module) -> Example:
         if example is not None:
             return example
         reason = f"none of data.{', data.'.join(SPLITS)} gives a batch"
-    given = example_input_array(cfg, model)
+    given = example_input_array(model, task_config)
     if given is None:
         raise UserError(
             f"no example batch to export on: the run's data could not be built ({reason}); expected its files "
@@ -174,11 +179,12 @@ def inputs_of(batch: Any, split: str) -> torch.Tensor:
     return inputs
 
 
-def example_input_array(cfg: DictConfig, model: torch.nn.Module) -> Optional[Example]:
-    """The model's `example_input_array` (Lightning's name), else the task's (the task built around a model of
-    the saved config), else None."""
+def example_input_array(model: torch.nn.Module, task_config: Callable[[], DictConfig]) -> Optional[Example]:
+    """The model's `example_input_array` (Lightning's name), else the task's (the saved task, built around a
+    model of the saved config), else None."""
     given, owner = getattr(model, "example_input_array", None), "model"
-    if given is None and "task" in cfg:
+    cfg = task_config() if given is None else None
+    if cfg is not None and "task" in cfg:
         task, _ = build_task(cfg)
         given, owner = getattr(task, "example_input_array", None), "task"
     if given is None:
@@ -272,7 +278,7 @@ def export(
     weights, which = eval_weights(checkpoint, raw)
     check_compatible(model, weights, f"checkpoint {checkpoint.path}", strict=True)
     model.load_state_dict(weights)
-    example = example_input(cfg, model)
+    example = example_input(cfg, model, lambda: saved_config(checkpoint, trust, conf_dir, ("model", "task")))
     _expected(model, example.batch)
 
     out.mkdir(parents=True, exist_ok=True)
