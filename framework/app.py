@@ -171,18 +171,17 @@ def _evaluate(fresh: DictConfig, started: Optional[list[bool]]) -> dict[str, Any
 
     hydra_cfg = HydraConfig.get()
     run_dir, rank_zero = Path(hydra_cfg.runtime.output_dir), os.environ.get("RANK", "0") == "0"
-    resolve_all(fresh)
-    config.validate(fresh)
+    config.check_stage(fresh)  # the rest is checked once merged with the saved run's config, below
     checkpoint = stages.find_checkpoint(str(fresh.ckpt))
     saved = resume.saved_run(str(checkpoint.path), checkpoint)
     if saved is not None:
         saved.evaluated = True
-    overrides = list(hydra_cfg.overrides.task)
+    overrides = _task_overrides(hydra_cfg)
     cfg, choices = _settled(fresh, dict(hydra_cfg.runtime.choices), saved, overrides, hydra_cfg)
     stages.evaluation_only(cfg)
     resolve_all(cfg)
     config.validate(cfg)
-    if rank_zero and str(hydra_cfg.output_subdir or "").startswith(".hydra/"):
+    if rank_zero and str(hydra_cfg.output_subdir or "").startswith(".hydra/") and not _unfinished_predict(cfg, run_dir):
         raise ConfigError(f"hydra.run.dir={str(run_dir)!r} already holds a run; expected another directory")
     with rundir.RunDirLock(run_dir) if rank_zero else contextlib.nullcontext():
         recording = provenance.BackgroundWrite(run_dir, Path(hydra_cfg.runtime.cwd), overrides) if rank_zero else None
@@ -196,6 +195,22 @@ def _evaluate(fresh: DictConfig, started: Optional[list[bool]]) -> dict[str, Any
             if recording is not None:
                 recording.join()
     return summary
+
+
+def _task_overrides(hydra_cfg: HydraConf) -> list[str]:
+    """This command line's overrides as typed: an override holding `${...}` (`+data.predict={..., transform:
+    ${data.train.transform}}`) stays text, not what it resolves to."""
+    return [str(o) for o in cast(list, OmegaConf.to_container(cast(Any, hydra_cfg).overrides.task, resolve=False))]
+
+
+def _unfinished_predict(cfg: DictConfig, run_dir: Path) -> bool:
+    """A predict run in `run_dir` that did not finish, which the same command continues (its parts are kept)."""
+    if cfg.stage != "predict" or (run_dir / "summary.json").exists():
+        return False
+    try:
+        return OmegaConf.select(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), "stage") == "predict"
+    except Exception:  # noqa: BLE001  (no readable record: not a predict run to continue)
+        return False
 
 
 def _new_run_refused(run_dir: Path) -> str:
@@ -222,7 +237,7 @@ def _train(
     from framework.checkpoint import DamagedCheckpoint  # torch: imported once the config is known good
 
     rank_zero = os.environ.get("RANK", "0") == "0"
-    overrides, fresh_choices = list(hydra_cfg.overrides.task), dict(hydra_cfg.runtime.choices)
+    overrides, fresh_choices = _task_overrides(hydra_cfg), dict(hydra_cfg.runtime.choices)
     checkpoint = resume.find_checkpoint(fresh.resume, run_dir)
     recording: Optional[provenance.BackgroundWrite] = None
     try:

@@ -51,6 +51,7 @@ class TrainerConfig:
     # Which weights fit's test uses (Lightning's ckpt_path): best, last, or null (best when a monitored top-k
     # checkpoint is kept, else the final weights).
     test_ckpt: Optional[str] = None
+    predict_chunk_rows: int = 4096  # `predict`: rows a rank writes at a time (a killed predict keeps whole chunks)
     detect_anomaly: bool = False  # torch.autograd's anomaly mode: the op that made a NaN/inf gradient, named
     deterministic: bool = False
     compile: bool = False
@@ -135,6 +136,7 @@ class RootConfig:
     # or predict the weights of `ckpt` (a run directory, its best else last; or a checkpoint directory).
     stage: str = "fit"
     ckpt: Optional[str] = None
+    predict_data: Any = None  # what `predict` runs over: data.predict, moved here (no DataModule argument)
     init_from: Optional[str] = None  # weights only (fine-tuning)
     init_strict: bool = True
     trust_saved_config: bool = False  # resume may build any _target_ the saved config names (a run you trust)
@@ -420,13 +422,13 @@ def validate(cfg: DictConfig) -> None:
     if isinstance(cfg.data, DictConfig):
         _check_data(cfg.data)
     _check_hardware(cfg.trainer.device, cfg.parallel)
-    _check_stage(cfg)
+    check_stage(cfg)
 
 
 STAGES = ("fit", "validate", "test", "predict")
 
 
-def _check_stage(cfg: DictConfig) -> None:
+def check_stage(cfg: DictConfig) -> None:
     """fit trains (resume= continues a run); validate, test and predict evaluate the weights of ckpt=."""
     stage = cfg.get("stage", "fit")
     _require(stage in STAGES, "stage", stage, f"one of {', '.join(STAGES)} (the first word: python run.py test ...)")
@@ -450,6 +452,7 @@ def _check_stage(cfg: DictConfig) -> None:
 
 
 def _check_trainer(t: DictConfig) -> None:
+    _require(t.predict_chunk_rows >= 1, "trainer.predict_chunk_rows", t.predict_chunk_rows, "a number of rows >= 1")
     _require(t.max_steps == -1 or t.max_steps >= 1, "trainer.max_steps", t.max_steps, "-1 (no limit) or >= 1")
     _require(
         t.max_epochs >= 1 or (t.max_steps >= 1 and t.max_epochs >= -1),

@@ -113,6 +113,8 @@ def print_summary(summary: Mapping[str, Any], run_dir: Path, kept: bool = True) 
         lines = [f"Done in {summary['seconds']:.1f} s: {epochs}, {_count(summary['step'], 'step')} {how}"]
     if shown:
         lines.append(f"  {shown}")
+    if summary.get("predictions"):
+        lines.append(f"  {summary['rows']} rows in {summary['predictions']}")
     if kept:
         lines += [
             f"Run directory: {run_dir}",

@@ -14,19 +14,25 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sized, cast
 
+import torch
 from omegaconf import DictConfig, open_dict
 
 from framework import task_hooks
 from framework.checkpoint import Checkpoint, DamagedCheckpoint, find_latest, open_checkpoint
 from framework.errors import ConfigError
+from framework.evaluate import move_to
+from framework.instantiate import build
 from framework.loggers import print_summary, write_json
+from framework.predictions import PredictionWriter, merge
 from framework.preflight import check_first_batches
 from framework.run import Run
+from framework.task import step_function
 
 log = logging.getLogger("framework.trainer")  # run.log's lines of a run, whatever its stage
 SPLITS = {"validate": "val", "test": "test"}  # the split each evaluating stage reads
+PREDICTIONS = "predictions.parquet"
 
 
 def find_checkpoint(ckpt: str) -> Checkpoint:
@@ -92,6 +98,74 @@ def evaluate(
     return summary
 
 
+def predict(
+    cfg: DictConfig, run_dir: Path, checkpoint: Checkpoint, choices: Optional[dict[str, Any]]
+) -> dict[str, Any]:
+    """`Task.predict_step` over `data.predict` (a dataset node given on the command line), else the test split: each
+    rank streams its unpadded share to Parquet parts, rank 0 merges them into `predictions.parquet`, one row per
+    sample in dataset order. A run killed midway and started again in its directory keeps the parts it wrote."""
+    start = time.perf_counter()
+    run = Run(cfg, run_dir, choices=choices)
+    strategy, finished = run.strategy, False
+    try:
+        source, total = _predict_source(cfg, run)
+        which = _load_weights(run, checkpoint)
+        dest = run_dir / PREDICTIONS
+        parts, chunk = run_dir / f"{PREDICTIONS}.parts", cfg.trainer.predict_chunk_rows
+        writer = PredictionWriter(parts, strategy.rank, strategy.world_size, chunk_rows=chunk)
+        step_fn = step_function(run.task, "predict_step")
+        wrapped = getattr(run.task, run.model_attr)
+        setattr(run.task, run.model_attr, run.module)  # no DDP/DP wrapper: each rank runs its own samples alone
+        run.task.eval()
+        batches = run.data.predict_batches(source, strategy.rank, strategy.world_size, writer.done(), seed=cfg.seed)
+        with torch.inference_mode():
+            for i, (indices, batch) in enumerate(batches):
+                with run.precision.autocast():
+                    writer.write(indices, step_fn(move_to(batch, run.device), i))
+        writer.close()
+        setattr(run.task, run.model_attr, wrapped)
+        strategy.gather_objects(None)  # every rank's parts are on disk before rank 0 merges them
+        rows = merge(writer.out_dir, total, dest) if strategy.is_rank_zero else total
+        files = getattr(source, "files", None)  # ImageFiles: which file each index is
+        if strategy.is_rank_zero and isinstance(files, list):
+            (run_dir / f"{PREDICTIONS.rsplit('.', 1)[0]}.files.txt").write_text("".join(f"{f}\n" for f in files))
+        finished = True
+    finally:
+        run.logger.close()
+        task_hooks.call_if_defined(run.task, "teardown", "predict")
+        strategy.teardown(finished)
+    summary = {
+        **_summary(run, "predict", checkpoint, which, {}, time.perf_counter() - start),
+        "predictions": str(dest),
+        "rows": rows,
+    }
+    if strategy.is_rank_zero:
+        write_json(run_dir / "summary.json", summary)
+        print_summary(summary, run_dir)
+    return summary
+
+
+def _predict_source(cfg: DictConfig, run: Run) -> tuple[Any, int]:
+    """What predict runs over, and its number of samples: the dataset `predict_data` (moved there from
+    `data.predict` by `evaluation_only`), else the run's test split."""
+    node = cfg.get("predict_data")
+    if node is not None:
+        dataset = build(node, "data.predict")
+        try:
+            return dataset, len(dataset)
+        except TypeError:
+            raise ConfigError(
+                f"data.predict: {type(dataset).__name__} has no len(); expected a map-style dataset "
+                "(torch.utils.data.Dataset with __len__ and __getitem__)"
+            ) from None
+    if not run.data.has("test"):
+        raise ConfigError(
+            "data.predict is not set and data.test is null: nothing to predict; expected a dataset node, e.g. "
+            "'+data.predict={_target_: framework.zoo.datasets.image_files, root: DIR}', or a data.test split"
+        )
+    return "test", len(cast(Sized, run.data.datasets["test"]))
+
+
 def _load_weights(run: Run, checkpoint: Checkpoint) -> str:
     """The weights the run evaluated into the model, on every rank; which, in words."""
     from framework.export import eval_weights
@@ -129,8 +203,11 @@ def _summary(
 
 def evaluation_only(cfg: DictConfig) -> None:
     """What of the saved config belongs to training, off: its callbacks (early stopping, EMA, timers), a scheduler
-    (a monitored one would ask for a val split), and checkpoint policies (a stage saves none)."""
+    (a monitored one would ask for a val split), and checkpoint policies (a stage saves none). `data.predict` (no
+    DataModule argument) moves to the root as `predict_data`."""
     with open_dict(cfg):
+        if "predict" in cfg.data:
+            cfg.predict_data = cfg.data.pop("predict")
         cfg.callbacks = {}
         cfg.scheduler = {"_target_": None}
         cfg.checkpoint.monitor, cfg.checkpoint.save_top_k, cfg.checkpoint.save_last = None, 0, False

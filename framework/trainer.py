@@ -49,10 +49,10 @@ def train(
         allocator.keep_freed_memory()  # each step reuses the memory the last one freed (framework/allocator.py)
     checkpoint = open_checkpoint(resume_from) if isinstance(resume_from, Path) else resume_from
     if cfg.get("stage", "fit") != "fit":  # validate/test: the checkpoint's weights evaluated (framework/stages.py)
-        from framework.stages import evaluate
+        from framework import stages
 
         assert checkpoint is not None, "a stage evaluates a checkpoint (app.py found it)"
-        return evaluate(cfg, run_dir, checkpoint, choices)
+        return (stages.predict if cfg.stage == "predict" else stages.evaluate)(cfg, run_dir, checkpoint, choices)
     trainer = Trainer(cfg, run_dir, resume_from=checkpoint, hparams=hparams, choices=choices)
     try:
         return trainer.fit()

@@ -141,3 +141,110 @@ def test_a_damaged_best_falls_back_to_the_newest_intact_checkpoint_and_a_damaged
     assert "its best checkpoint is damaged" in output(proc)
     proc = stage("test", tmp_path / "named", f"ckpt={copy / 'checkpoints' / 'best'}")
     assert one_error_line(proc).startswith(f"Error: ckpt='{copy / 'checkpoints' / 'best'}': "), output(proc)
+
+
+# ---------------------------------------------------------------------------------------------- predict
+class KilledMidway(__import__("framework.task", fromlist=["ClassificationTask"]).ClassificationTask):
+    """Kills its own process (SIGKILL: nothing runs after it) at predict batch $KILL_AT_PREDICT_BATCH of rank 0."""
+
+    def predict_step(self, batch, batch_idx=0):
+        if int(os.environ.get("RANK", "0")) == 0 and batch_idx == int(os.environ.get("KILL_AT_PREDICT_BATCH", "-1")):
+            os.kill(os.getpid(), 9)
+        return super().predict_step(batch, batch_idx)
+
+
+def predictions(run_dir: Path):
+    import pyarrow.parquet as pq
+
+    return pq.read_table(run_dir / "predictions.parquet")
+
+
+ODD = "+data.predict={_target_: framework.zoo.datasets.digits, split: train}"  # 1,257 samples: odd
+
+
+def test_predict_writes_one_row_per_test_sample_in_order_whose_accuracy_is_the_runs_test_acc(trained, tmp_path):
+    from framework.zoo.datasets import digits
+
+    proc = stage("predict", tmp_path / "p", f"ckpt={trained}")
+    assert proc.returncode == 0, output(proc)
+    table = predictions(tmp_path / "p")
+    labels = digits("test").tensors[1].tolist()
+    assert table.column("index").to_pylist() == list(range(len(labels)))
+    assert table.schema.field("probabilities").type.list_size == 10
+    correct = sum(p == y for p, y in zip(table.column("prediction").to_pylist(), labels))
+    assert correct / len(labels) == pytest.approx(summary(trained)["test/acc"], abs=1e-12)
+    assert summary(tmp_path / "p")["rows"] == len(labels) and f"{len(labels)} rows in" in output(proc)
+    assert not (tmp_path / "p" / "predictions.parquet.parts").exists()
+
+
+def test_predict_under_ddp_on_an_odd_data_set_writes_the_single_process_file_exactly(trained, tmp_path):
+    one = stage("predict", tmp_path / "one", f"ckpt={trained}", ODD)
+    two = stage("predict", tmp_path / "two", f"ckpt={trained}", ODD, "parallel=ddp", "data.eval_batch_size=100")
+    assert one.returncode == 0 and two.returncode == 0, output(one) + output(two)
+    assert predictions(tmp_path / "two").column("index").to_pylist() == list(range(1257))
+    assert (tmp_path / "two" / "predictions.parquet").read_bytes() == (tmp_path / "one" / "predictions.parquet").read_bytes()
+
+
+def test_a_predict_killed_midway_and_run_again_keeps_its_chunks_and_ends_with_the_same_file(trained, tmp_path):
+    from conftest import TESTS, on_pythonpath
+
+    common = (f"ckpt={trained}", ODD, "task._target_=test_stages.KilledMidway", "data.eval_batch_size=100",
+              "trainer.predict_chunk_rows=200")
+    env = {**os.environ, "PYTHONPATH": on_pythonpath(TESTS), "OMP_NUM_THREADS": "1"}
+
+    def predict(run_dir: Path, kill_at: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "run.py"), "predict", f"hydra.run.dir={run_dir}", *QUIET,
+                               *common], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                              env={**env, "KILL_AT_PREDICT_BATCH": str(kill_at)})
+
+    whole = predict(tmp_path / "whole", -1)
+    assert whole.returncode == 0, output(whole)
+    killed = predict(tmp_path / "run", 9)
+    assert killed.returncode == -9, output(killed)
+    kept = sorted((tmp_path / "run" / "predictions.parquet.parts").glob("*.parquet"))
+    assert len(kept) >= 2, kept  # whole chunks of 200 rows were on disk before the kill at row 900
+    again = predict(tmp_path / "run", -1)
+    assert again.returncode == 0, output(again)
+    assert (tmp_path / "run" / "predictions.parquet").read_bytes() == (
+        tmp_path / "whole" / "predictions.parquet").read_bytes()
+
+
+def test_predict_over_a_folder_of_unlabelled_pngs(tmp_path):
+    from PIL import Image
+
+    from conftest import make_image_folder
+
+    make_image_folder(tmp_path / "data", {"train": ("cat", "dog"), "val": ("cat", "dog")}, per_class=4)
+    run = tmp_path / "run"
+    trained = run_cli(run, "data=image_folder", f"data.root={tmp_path / 'data'}", "data.num_classes=2",
+                      "data.input_shape=[3,16,16]", "model=cnn", "trainer.max_steps=2", "data.num_workers=0",
+                      "data.persistent_workers=false", "data.pin_memory=false", "trainer.device=cpu", fast=False)
+    assert trained.returncode == 0, output(trained)
+    images = tmp_path / "unlabelled"
+    images.mkdir()
+    for i in range(7):
+        Image.new("RGB", (20 + i, 18), (30 * i, 100, 200 - 20 * i)).save(images / f"img{i}.png")
+    (images / "notes.txt").write_text("not an image")
+    proc = stage("predict", tmp_path / "p", f"ckpt={run}", "data.num_workers=0",
+                 f"+data.predict={{_target_: framework.zoo.datasets.ImageFiles, root: {images}, "
+                 "transform: ${data.train.transform}}")
+    assert proc.returncode == 0, output(proc)
+    table = predictions(tmp_path / "p")
+    assert table.num_rows == 7 and set(table.column("prediction").to_pylist()) <= {0, 1}
+    listed = (tmp_path / "p" / "predictions.files.txt").read_text().splitlines()
+    assert listed == [str(images / f"img{i}.png") for i in range(7)]
+
+
+class NestedOutput(__import__("framework.task", fromlist=["ClassificationTask"]).ClassificationTask):
+    def predict_step(self, batch, batch_idx=0):
+        return {"scores": {"a": self.model(batch[0])}}
+
+
+def test_a_predict_step_output_parquet_cannot_hold_is_one_error_line(trained, tmp_path):
+    from conftest import TESTS, on_pythonpath
+
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "predict", f"hydra.run.dir={tmp_path / 'p'}", *QUIET,
+                           f"ckpt={trained}", "task._target_=test_stages.NestedOutput"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": on_pythonpath(TESTS)})
+    assert "scores" in one_error_line(proc), output(proc)

@@ -127,3 +127,41 @@ def image_folder(
             f"from those of train/ ({', '.join(names)}); expected the same class folders"
         )
     return ImageFolder(str(Path(root) / split), transform=transform)
+
+
+class ImageFiles(torch.utils.data.Dataset):
+    """Unlabelled images for `python run.py predict`: every image file directly in `root` (png, jpg, jpeg, bmp,
+    webp), in sorted order, so a prediction's `index` is its file's position in `files` (listed beside the
+    predictions, one path a line, in `predictions.files.txt`). Each is read as RGB and passed through `transform`
+    (e.g. the run's own)."""
+
+    SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+
+    def __init__(self, root: str, transform: Optional[Callable] = None) -> None:
+        folder = Path(root)
+        if not folder.is_dir():
+            raise ConfigError(f"data.predict.root={root!r}: no such directory; expected a folder of image files")
+        self.files = sorted(p for p in folder.iterdir() if p.suffix.lower() in self.SUFFIXES and p.is_file())
+        if not self.files:
+            raise ConfigError(
+                f"data.predict.root={root!r}: no image files ({', '.join(self.SUFFIXES)}) in it; expected a folder "
+                "of images"
+            )
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(self.files[index]) as image:
+                rgb = image.convert("RGB")
+        except (OSError, UnidentifiedImageError) as err:
+            raise ConfigError(f"data.predict: {self.files[index]} is not a readable image ({err})") from None
+        if self.transform is not None:
+            return cast(torch.Tensor, self.transform(rgb))
+        from torchvision.transforms.functional import to_tensor
+
+        return to_tensor(rgb)
