@@ -140,7 +140,7 @@ def _run(cfg: DictConfig, started: Optional[list[bool]] = None) -> Optional[floa
     fast_dev_run, remove what it wrote. `started` gets an item once training is handed over (a later failure is
     no longer "refused at start")."""
     if cfg.get("stage", "fit") != "fit":
-        _evaluate(cfg, started)
+        _evaluate(cfg)
         return None
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
@@ -164,7 +164,7 @@ def _run(cfg: DictConfig, started: Optional[list[bool]] = None) -> Optional[floa
     return summary.get(cfg.checkpoint.monitor or "val/acc")
 
 
-def _evaluate(fresh: DictConfig, started: Optional[list[bool]]) -> dict[str, Any]:
+def _evaluate(fresh: DictConfig) -> dict[str, Any]:
     """validate/test ckpt=: the saved run's config (trusted as resume= trusts it) with this command line on top, in a
     run directory of its own; the saved run is only read."""
     from framework import stages  # torch: imported once the config is known good
@@ -185,9 +185,7 @@ def _evaluate(fresh: DictConfig, started: Optional[list[bool]]) -> dict[str, Any
         raise ConfigError(f"hydra.run.dir={str(run_dir)!r} already holds a run; expected another directory")
     with rundir.RunDirLock(run_dir) if rank_zero else contextlib.nullcontext():
         recording = provenance.BackgroundWrite(run_dir, Path(hydra_cfg.runtime.cwd), overrides) if rank_zero else None
-        try:
-            if started is not None:
-                started.append(True)
+        try:  # (not `started`: a stage that fails leaves nothing behind, as a run refused at start)
             summary = launch(cfg, run_dir, checkpoint, None, choices)
             if rank_zero and (run_dir / "summary.json").is_file():
                 summary = _write_summary(run_dir, summary)

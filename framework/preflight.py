@@ -54,9 +54,16 @@ class CheckHandle:
             self.names.append(name)
 
 
-def check_first_batches(task: Task, model_attr: str, evaluator: Evaluator, monitors: dict[str, str]) -> list[str]:
-    """Run the check; returns the validation metric names the first val batch showed (for TensorBoard's layout).
-    A monitor naming none of them is refused now when nothing else could log it (the task has no
+def check_first_batches(
+    task: Task,
+    model_attr: str,
+    evaluator: Evaluator,
+    monitors: dict[str, str],
+    splits: tuple[str, ...] = ("train", "val"),
+) -> list[str]:
+    """Run the check on the first batch of each of `splits` (a test stage checks its own); returns the validation
+    metric names the first val batch showed (for TensorBoard's layout). A monitor naming none of them is refused
+    now when nothing else could log it (the task has no
     on_validation_epoch_end); otherwise the first validation round decides."""
     strategy, data = evaluator.strategy, evaluator.data
     wrapped, rng = getattr(task, model_attr), reproducibility.rng_state()
@@ -78,7 +85,7 @@ def check_first_batches(task: Task, model_attr: str, evaluator: Evaluator, monit
     shadow.eval()
     names: list[str] = []
     try:
-        for split in ("train", "val"):
+        for split in splits:
             batch = data.first_batch(split) if data.has(split) else None
             handle.stage = split
             if batch is None:

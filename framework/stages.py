@@ -21,14 +21,14 @@ from omegaconf import DictConfig, open_dict
 
 from framework import task_hooks
 from framework.checkpoint import Checkpoint, DamagedCheckpoint, find_latest, open_checkpoint
-from framework.errors import ConfigError
+from framework.errors import ConfigError, UserError
 from framework.evaluate import move_to
-from framework.instantiate import build
+from framework.instantiate import FULL_ERROR_HINT, build, error_line
 from framework.loggers import print_summary, write_json
 from framework.predictions import PredictionWriter, merge
 from framework.preflight import check_first_batches
 from framework.run import Run
-from framework.task import step_function
+from framework.task import describe, step_function
 
 log = logging.getLogger("framework.trainer")  # run.log's lines of a run, whatever its stage
 SPLITS = {"validate": "val", "test": "test"}  # the split each evaluating stage reads
@@ -81,7 +81,7 @@ def evaluate(
                 f"(e.g. data.{split}=... on the command line)"
             )
         which = _load_weights(run, checkpoint)
-        check_first_batches(run.task, run.model_attr, run.evaluator, {})  # data that does not fit: one line
+        check_first_batches(run.task, run.model_attr, run.evaluator, {}, (split,))  # data that does not fit: one line
         run.callbacks.call(f"on_{'validation' if split == 'val' else 'test'}_start", run, run.task)
         metrics = run.evaluator.run(split, checkpoint.step)
         with run.metric_logger.no_logging(f"on_{'validation' if split == 'val' else 'test'}_end"):
@@ -111,8 +111,10 @@ def predict(
         source, total = _predict_source(cfg, run)
         which = _load_weights(run, checkpoint)
         dest = run_dir / PREDICTIONS
-        parts, chunk = run_dir / f"{PREDICTIONS}.parts", cfg.trainer.predict_chunk_rows
-        writer = PredictionWriter(parts, strategy.rank, strategy.world_size, chunk_rows=chunk)
+        chunk = cfg.trainer.predict_chunk_rows
+        writer = PredictionWriter(
+            run_dir / f"{PREDICTIONS}.parts", strategy.rank, strategy.world_size, chunk_rows=chunk
+        )
         step_fn = step_function(run.task, "predict_step")
         wrapped = getattr(run.task, run.model_attr)
         setattr(run.task, run.model_attr, run.module)  # no DDP/DP wrapper: each rank runs its own samples alone
@@ -121,7 +123,8 @@ def predict(
         with torch.inference_mode():
             for i, (indices, batch) in enumerate(batches):
                 with run.precision.autocast():
-                    writer.write(indices, step_fn(move_to(batch, run.device), i))
+                    out = step_fn(move_to(batch, run.device), i) if i else _first_step(step_fn, batch, run)
+                writer.write(indices, out)
         writer.close()
         setattr(run.task, run.model_attr, wrapped)
         strategy.gather_objects(None)  # every rank's parts are on disk before rank 0 merges them
@@ -131,6 +134,9 @@ def predict(
             (run_dir / f"{PREDICTIONS.rsplit('.', 1)[0]}.files.txt").write_text("".join(f"{f}\n" for f in files))
         finished = True
     finally:
+        parts = run_dir / f"{PREDICTIONS}.parts"
+        if not finished and parts.is_dir() and not any(parts.iterdir()):  # nothing kept: nothing left behind
+            parts.rmdir()
         run.logger.close()
         task_hooks.call_if_defined(run.task, "teardown", "predict")
         strategy.teardown(finished)
@@ -143,6 +149,20 @@ def predict(
         write_json(run_dir / "summary.json", summary)
         print_summary(summary, run_dir)
     return summary
+
+
+def _first_step(step_fn: Any, batch: Any, run: Run) -> Any:
+    """The first predict batch through the task: what fails there is the data's or the task's, in one line."""
+    where = f"{type(run.task).__name__}.predict_step"
+    try:
+        return step_fn(move_to(batch, run.device), 0)
+    except UserError:
+        raise
+    except Exception as err:
+        raise ConfigError(
+            f"task: {where} on the first batch to predict ({describe(batch)}) raised {error_line(err)}; "
+            f"expected data whose samples the model takes {FULL_ERROR_HINT}"
+        ) from err
 
 
 def _predict_source(cfg: DictConfig, run: Run) -> tuple[Any, int]:

@@ -109,6 +109,11 @@ def test_a_sweep_over_checkpoints_writes_one_row_each(trained, tmp_path):
     assert {float(row["test/acc"]) for row in rows} <= {summary(trained)["test/acc"]}
 
 
+# Images of 3x8x8 for a model of 64 inputs: data that does not fit the model.
+FAKE = ("{_target_: torchvision.datasets.FakeData, size: 5, image_size: [3, 8, 8], "
+        "transform: {_target_: torchvision.transforms.ToTensor}}")
+
+
 @pytest.mark.parametrize("args, expected", [
     (("test", "ckpt=/nonexistent/run"), "Error: ckpt='/nonexistent/run': no such directory; expected a run directory"),
     (("test",), "Error: test: ckpt is not set; expected the run directory or checkpoint directory"),
@@ -117,11 +122,15 @@ def test_a_sweep_over_checkpoints_writes_one_row_each(trained, tmp_path):
     (("test", "ckpt=RUN", "model=cnn"), "Error: model=cnn: the run used model=mlp, and its weights cannot carry over"),
     (("test", "ckpt=RUN", "data.test=null"), "Error: data.test: null, so there is nothing to test; expected"),
     (("test", "ckpt=RUN/checkpoints"), "Error: ckpt='RUN/checkpoints': neither a checkpoint (no meta.json) nor a run"),
-], ids=["missing", "unset", "with-resume", "fit-with-ckpt", "other-model", "no-test-split", "not-a-run"])
+    (("test", "ckpt=RUN", "data.input_shape=[3,8,8]"), "Error: data.input_shape=[3, 8, 8]: the first test batch has"),
+    (("predict", "ckpt=RUN", f"+data.predict={FAKE}"),
+     "Error: task: ClassificationTask.predict_step on the first batch to predict ("),
+], ids=["missing", "unset", "with-resume", "fit-with-ckpt", "other-model", "no-test-split", "not-a-run",
+        "test-data-unfit", "predict-data-unfit"])
 def test_every_bad_ckpt_is_one_error_line_and_leaves_no_run_directory(trained, tmp_path, args, expected):
     args = tuple(a.replace("RUN", str(trained)) for a in args)
     expected = expected.replace("RUN", str(trained))
-    first, rest = (args[0], args[1:]) if args[0] in ("test", "validate") else ("", args)
+    first, rest = (args[0], args[1:]) if args[0] in ("test", "validate", "predict") else ("", args)
     command = [sys.executable, str(ROOT / "run.py"), *([first] if first else []), f"hydra.run.dir={tmp_path / 'x'}",
                *QUIET, *rest]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180)
