@@ -32,6 +32,7 @@ REPLACED = {
     "train_dataloader": "the data config group (data.train)",
     "val_dataloader": "the data config group (data.val)",
     "test_dataloader": "the data config group (data.test)",
+    "predict_dataloader": "python run.py predict with +data.predict=<a dataset node> (or the test split)",
     "transfer_batch_to_device": "none: the loop moves every tensor of a batch to the device",
     "on_before_batch_transfer": "data.collate_fn (or the dataset's transform)",
     "on_after_batch_transfer": "data.collate_fn (or the dataset's transform)",
