@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from conftest import ROOT, TESTS, make_mnist, on_pythonpath, output, run_cli
-from framework import export, export_onnx
+from framework import export, export_example, export_onnx
 from framework.errors import UserError
 from framework.instantiate import build
 from framework.zoo.models import MLP
@@ -280,7 +280,7 @@ class FixedBatch(torch.nn.Module):
 
 @pytest.mark.unit
 def test_an_onnx_export_beyond_1e_4_of_the_model_is_one_error_line(tmp_path):
-    example = export.Example(torch.zeros(4, 3), torch.zeros(8, 3), "test batch")
+    example = export_example.Example(torch.zeros(4, 3), torch.zeros(8, 3), "test batch")
     with pytest.raises(UserError) as raised:
         export.export_to_onnx(Noisy().eval(), example, tmp_path / "model.onnx")
     message = str(raised.value)
@@ -290,7 +290,7 @@ def test_an_onnx_export_beyond_1e_4_of_the_model_is_one_error_line(tmp_path):
 
 @pytest.mark.unit
 def test_a_model_that_fixes_its_batch_size_is_checked_on_batches_of_that_size_and_recorded_as_fixed(tmp_path):
-    example = export.Example(torch.rand(4, 3), torch.rand(8, 3), "test batch")
+    example = export_example.Example(torch.rand(4, 3), torch.rand(8, 3), "test batch")
     entry = export.export_to_onnx(FixedBatch().eval(), example, tmp_path / "model.onnx")
     assert entry["dynamic_batch"] is False and entry["batch_sizes"] == [4, 4] and entry["max_abs_diff"] <= 1e-6
 
@@ -298,7 +298,7 @@ def test_a_model_that_fixes_its_batch_size_is_checked_on_batches_of_that_size_an
 @pytest.mark.unit
 def test_a_second_check_batch_has_another_size_where_the_batch_dimension_is_dynamic():
     batch = torch.arange(4.0).reshape(4, 1)
-    sizes = {spare: [len(b) for b in export.check_batches(export.Example(batch, spare, "x"), dynamic=True)]
+    sizes = {spare: [len(b) for b in export_example.check_batches(export_example.Example(batch, spare, "x"), dynamic=True)]
              for spare in (None, torch.zeros(4, 1), torch.zeros(2, 1))}
     assert list(sizes.values()) == [[4, 5], [4, 3], [4, 2]]
-    assert [len(b) for b in export.check_batches(export.Example(batch, torch.zeros(2, 1), "x"), False)] == [4]
+    assert [len(b) for b in export_example.check_batches(export_example.Example(batch, torch.zeros(2, 1), "x"), False)] == [4]
