@@ -83,6 +83,19 @@ def test_overhead_script_runs_end_to_end(capsys):
     assert "lightning: not installed (or --no-lightning); skipped" in out
 
 
+def test_predict_script_runs_end_to_end(capsys):
+    """bench/predict.py with tiny sizes: a 5-step checkpoint of experiment=bench, the framework's predict stage
+    (checked to write the hand-written loop's predictions) and the hand-written loops, one repetition."""
+    import predict
+
+    timings = predict.main(["--reps", "1", "--short", "1", "--long", "3", "--train-steps", "5", "--no-lightning"])
+    assert set(timings.runs) == {"framework", "handwritten", "dataloader"}
+    assert all(len(runs) == 1 for runs in timings.runs.values())
+    out = capsys.readouterr().out
+    assert "framework / handwritten" in out and "framework / dataloader" in out
+    assert "lightning: not installed (or --no-lightning); skipped" in out
+
+
 @pytest.mark.e2e
 def test_realistic_script_runs_end_to_end(tmp_path, capsys):
     """bench/realistic.py on 20 PNGs: its ImageFolder, then the framework (run.py in a subprocess, timing read
