@@ -181,6 +181,11 @@ def _evaluate(fresh: DictConfig) -> dict[str, Any]:
     stages.evaluation_only(cfg)
     resolve_all(cfg)
     config.validate(cfg)
+    if cfg.stage == "predict" and cfg.parallel.strategy == "fsdp":  # a sharded forward needs every rank in step
+        raise ConfigError(
+            "parallel=fsdp: predict runs each process's own samples through the whole model, which a sharded one "
+            "is not; expected parallel=ddp (or single), which loads the weights whole on each process"
+        )
     if rank_zero and str(hydra_cfg.output_subdir or "").startswith(".hydra/") and not _unfinished_predict(cfg, run_dir):
         raise ConfigError(f"hydra.run.dir={str(run_dir)!r} already holds a run; expected another directory")
     with rundir.RunDirLock(run_dir) if rank_zero else contextlib.nullcontext():
