@@ -115,7 +115,9 @@ def print_summary(summary: Mapping[str, Any], run_dir: Path, kept: bool = True) 
         lines.append(f"  {shown}")
     if summary.get("predictions"):
         lines.append(f"  {summary['rows']} rows in {summary['predictions']}")
-    if kept:
+    if kept and summary.get("stage") == "predict":  # rows, not scalars: nothing for TensorBoard to show
+        lines.append(f"Run directory: {run_dir}")
+    elif kept:
         lines += [
             f"Run directory: {run_dir}",
             f"View it with:  tensorboard --logdir {_shell_path(run_dir)}   "

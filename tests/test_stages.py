@@ -184,6 +184,7 @@ def test_predict_writes_one_row_per_test_sample_in_order_whose_accuracy_is_the_r
     correct = sum(p == y for p, y in zip(table.column("prediction").to_pylist(), labels))
     assert correct / len(labels) == pytest.approx(summary(trained)["test/acc"], abs=1e-12)
     assert summary(tmp_path / "p")["rows"] == len(labels) and f"{len(labels)} rows in" in output(proc)
+    assert "tensorboard --logdir" not in output(proc)  # a predict run logs rows, not scalars
     assert not (tmp_path / "p" / "predictions.parquet.parts").exists()
 
 
