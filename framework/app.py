@@ -171,6 +171,7 @@ def _evaluate(fresh: DictConfig) -> dict[str, Any]:
 
     hydra_cfg = HydraConfig.get()
     run_dir, rank_zero = Path(hydra_cfg.runtime.output_dir), os.environ.get("RANK", "0") == "0"
+    config.check_closed_keys(fresh)  # `+ckpt_path=` is a mistake to name before anything else
     config.check_stage(fresh)  # the rest is checked once merged with the saved run's config, below
     checkpoint = stages.find_checkpoint(str(fresh.ckpt))
     saved = resume.saved_run(str(checkpoint.path), checkpoint)

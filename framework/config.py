@@ -297,7 +297,10 @@ LIGHTNING_NAMES: dict[str, Home] = {
     # Other names for ours
     "epochs": Home("trainer.max_epochs"),
     "seed_everything": Home("seed"),
-    "ckpt_path": Home("resume", "trainer.test_ckpt picks the weights the test uses"),
+    "ckpt_path": Home(
+        "ckpt",
+        "python run.py test ckpt=RUN_DIR evaluates a saved run; resume= continues one; trainer.test_ckpt picks fit's",
+    ),
 }
 
 

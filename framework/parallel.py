@@ -258,7 +258,10 @@ class FSDPStrategy(DDPStrategy):
         )
         offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.cpu_offload else OffloadPolicy()
         units = shard_units(model, self.shard_types)
-        for unit in units:  # innermost first: a unit's parameters are those no unit inside it took
+        for unit in [
+            *units,
+            model,
+        ]:  # innermost first (a unit's parameters are those no unit inside it took), root last
             fully_shard(
                 unit,
                 mesh=self.mesh,
@@ -266,13 +269,6 @@ class FSDPStrategy(DDPStrategy):
                 mp_policy=precision,
                 offload_policy=offload,
             )
-        fully_shard(
-            model,
-            mesh=self.mesh,
-            reshard_after_forward=self.reshard_after_forward,
-            mp_policy=precision,
-            offload_policy=offload,
-        )
         log.info(
             "parallel=fsdp: %d shard unit%s and the root, over %d processes",
             len(units),
