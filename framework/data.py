@@ -8,6 +8,9 @@ Two ways to make batches, same order:
   `collate_fn` (built by `_target_`, as Lightning's loaders take one: text of varying lengths, dicts, ...).
 Either way the order depends only on (seed, epoch, rank, world size), never on the global RNG, so a run
 resumed at batch k of an epoch sees exactly the batches an uninterrupted run would.
+
+A split that is a `torch.utils.data.IterableDataset` (WebDataset shards, a token stream, any generator) is a
+`framework.streaming.Stream`: the same `batches(split, epoch, start_batch)`, every sample once per epoch.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Subs
 from framework.errors import ConfigError, UserError
 from framework.instantiate import FULL_ERROR_HINT, error_line
 from framework.reproducibility import generator, worker_seed
+from framework.streaming import Stream
 
 
 class EpochSampler(Sampler[int]):
@@ -118,6 +122,11 @@ class DataModule:
         persistent_workers: bool = False,
         prefetch_factor: Optional[int] = None,
         collate_fn: Optional[Callable[[list], Any]] = None,
+        shuffle_buffer: int = 1000,
+        skip_corrupt: bool = False,
+        train_shards: Optional[str] = None,
+        val_shards: Optional[str] = None,
+        test_shards: Optional[str] = None,
     ) -> None:
         self.datasets = {"train": train, "val": val, "test": test}
         self.num_classes, self.input_shape, self.root = num_classes, input_shape, root
@@ -137,6 +146,8 @@ class DataModule:
             "prefetch_factor": prefetch_factor if num_workers > 0 else None,
         }
         self._loaders: dict[str, tuple[EpochSampler, Iterable]] = {}
+        self.shuffle_buffer, self.skip_corrupt = shuffle_buffer, skip_corrupt
+        self.streams: dict[str, Stream] = {}
 
     def has(self, split: str) -> bool:
         return self.datasets.get(split) is not None
@@ -148,6 +159,9 @@ class DataModule:
                 continue
             train = split == "train"
             _check_dataset(split, dataset)
+            if isinstance(dataset, IterableDataset):
+                self.streams[split] = self._stream(split, dataset, seed, rank, world_size)
+                continue
             try:
                 size = len(cast(Sized, dataset))  # a map-style dataset's size; a wrong one fails here
             except Exception as err:  # e.g. a negative size in the dataset's config
@@ -167,6 +181,26 @@ class DataModule:
                 loader = self._data_loader(split, sampler)
             self._loaders[split] = (sampler, loader)
 
+    def _stream(self, split: str, dataset: IterableDataset, seed: int, rank: int, world_size: int) -> Stream:
+        train = split == "train"
+        return Stream(
+            dataset,
+            split,
+            batch_size=self.batch_size if train else self.eval_batch_size,
+            drop_last=self.drop_last and train,
+            shuffle=train and self.shuffle,
+            shuffle_buffer=self.shuffle_buffer,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            collate_fn=self.collate_fn,
+            loader_options=self.loader_options,
+        )
+
+    def skipped(self) -> int:
+        """Bad samples skipped so far by this rank (data.skip_corrupt): found while indexing, then while reading."""
+        return sum(s.skipped + getattr(s.dataset, "bad", 0) for s in self.streams.values())
+
     def _data_loader(self, split: str, sampler: EpochSampler) -> DataLoader:
         train = split == "train"
         dataset = self.datasets[split]
@@ -183,6 +217,8 @@ class DataModule:
 
     def batches(self, split: str, epoch: int = 0, start_batch: int = 0) -> Iterable:
         """The batches of `split` for `epoch`, skipping the first `start_batch` ones without loading them."""
+        if split in self.streams:
+            return self.streams[split].batches(epoch, start_batch)
         sampler, loader = self._loaders[split]
         batch_size = self.batch_size if split == "train" else self.eval_batch_size
         sampler.set_epoch(epoch, start_batch * batch_size)
@@ -225,6 +261,11 @@ class DataModule:
         if dataset is None:
             raise ConfigError(f"data.{split}: no dataset; expected a dataset node with a _target_")
         _check_dataset(split, dataset)
+        if isinstance(dataset, IterableDataset):
+            raise ConfigError(
+                f"data.{split}: {type(dataset).__name__} is a stream; predict writes rows by dataset index, so "
+                "expected a map-style dataset (__len__ and __getitem__)"
+            )
         shard = EpochSampler(len(cast(Sized, dataset)), shuffle=False, rank=rank, world_size=world_size, pad=False)
         indices = [i for i in shard.order().tolist() if i not in skip]
         order = torch.tensor(indices, dtype=torch.int64)
@@ -250,12 +291,16 @@ class DataModule:
         """Stop the persistent worker processes now, each asked to exit and joined (exit code 0), rather than when
         the process ends. A DataLoader's workers live as long as it does (torch's `persistent_workers`), so each
         is dropped for a new one, which starts its own workers if it is used again."""
+        for stream in self.streams.values():
+            stream.close()
         for split, (sampler, loader) in list(self._loaders.items()):
             if isinstance(loader, DataLoader) and loader.persistent_workers:
                 self._loaders[split] = (sampler, self._data_loader(split, sampler))
 
     def num_batches(self, split: str) -> int:
         """Batches in one full epoch of `split` on this rank."""
+        if split in self.streams:
+            return self.streams[split].batches_n
         sampler, loader = self._loaders[split]
         batch_size = self.batch_size if split == "train" else self.eval_batch_size
         return _num_batches(len(sampler.order()), batch_size, self.drop_last and split == "train")
@@ -263,14 +308,15 @@ class DataModule:
 
 def _check_dataset(split: str, dataset: Any) -> None:
     """A config value that is not a dataset (a dotted path without `_target_`, a node without one), or one
-    that cannot be indexed: the sampler draws indices, so the order is seeded and resumable."""
+    that is neither indexed (the sampler draws indices, so the order is seeded and resumable) nor a stream."""
     if isinstance(dataset, (str, bytes, int, float, Mapping)):
         raise ConfigError(
             f"data.{split}={dataset!r}: expected a dataset node with a _target_, e.g. "
             f"data.{split}._target_=torchvision.datasets.FakeData, or null"
         )
-    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+    if not isinstance(dataset, IterableDataset) and not hasattr(dataset, "__getitem__"):
         raise ConfigError(
             f"data.{split}: {type(dataset).__name__} cannot be indexed; expected a map-style "
-            "dataset (__len__ and __getitem__), which the seeded, resumable order needs"
+            "dataset (__len__ and __getitem__), which the seeded, resumable order needs, or a "
+            "torch.utils.data.IterableDataset"
         )

@@ -30,6 +30,7 @@ from framework.restore import callbacks_check, optimizer_check, precision_check,
 from framework.setup_report import describe_setup
 from framework.state import Progress, RngState, TaskState, TrainingState
 from framework.stop import Stop
+from framework.streaming import StreamState
 from framework.task import step_function
 
 log = logging.getLogger("framework.trainer")  # the name run.log and the tests know its lines by
@@ -182,6 +183,9 @@ class Run:
         self.task_state = TaskState(self.task, self.model_attr, self.strategy)
         state.register("task", self.task_state, optional=True, check=self.task_state.check_state_dict)
         state.register("callbacks", self.callbacks, check=callbacks_check(self.callbacks), optional=True)
+        if self.data.streams:  # their position is the loop's; this holds what it needs (framework/streaming.py)
+            streams = StreamState(self.data.streams, lambda: self.progress.batch_in_epoch)
+            state.register("data", streams, check=streams.check_state_dict, optional=True)
         rng = RngState(self.strategy)
         state.register("rng", rng, check=rng.check_state_dict)  # last: loading it must follow all the rest
         return state
@@ -314,4 +318,6 @@ class Run:
             stopped=self.stop.reason or None,
             tested=self.tested or None,
         )
+        if self.data.skip_corrupt:  # a collective: every rank makes the summary
+            summary["data_skipped"] = sum(self.strategy.gather_objects(self.data.skipped()))
         return summary

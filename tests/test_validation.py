@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset
 
 from conftest import TESTS, on_pythonpath, one_error_line, output, run_cli
 from framework.task import StepOutput, Task
@@ -71,14 +71,6 @@ class Objects(Samples):
 class Broken(Samples):
     def __getitem__(self, i: int) -> Any:
         raise KeyError(f"image {i} is missing")
-
-
-class Stream(IterableDataset):
-    def __init__(self, **_digits_options: Any) -> None:
-        pass
-
-    def __iter__(self):
-        yield from Samples()
 
 
 class TwoOutputs(nn.Module):
@@ -239,8 +231,6 @@ FIRST_BATCH = [
     case("data.train._target_=test_validation.Broken", "data.num_workers=1",
          says=("data.train: making its first batch raised KeyError: 'image", "missing"), id="dataset-raises-in-worker"),
     case("data.val._target_=test_validation.Triples", says=("data.val: its first batch",), id="val-split-checked"),
-    case("data.train._target_=test_validation.Stream", says=("data.train: Stream cannot be indexed", "map-style"),
-         id="iterable-dataset"),
     case("data.test=framework.zoo.datasets.digits", says=("data.test='framework.zoo.datasets.digits'", "_target_"),
          id="dataset-without-_target_"),
     case("model._target_=test_validation.TwoOutputs", "~model.hidden", "~model.dropout",

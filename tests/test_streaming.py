@@ -1,0 +1,178 @@
+"""Streaming splits in this process: the planned order (every sample once per epoch over ranks, shuffled by
+(seed, epoch) only), resuming at any batch, plain iterables scanned, WebDataset shards written with tarfile, and bad
+input as one ConfigError naming the shard and sample key. Worker processes: test_streaming_e2e.py."""
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import IterableDataset
+
+from framework.data import DataModule
+from framework.errors import ConfigError
+from framework.shards import TarShards, tar_shards
+from framework.streaming import StreamState, epoch_order, expand_braces, rank_block
+from framework.zoo.shards import png, write_tar
+
+pytestmark = pytest.mark.unit
+
+
+def id_shards(folder: Path, sizes: list[int], prefix: str = "train") -> str:
+    """Shards of 1x1 PNGs whose label is the sample's ID (0, 1, ... in storage order); returns the pattern."""
+    folder.mkdir(parents=True, exist_ok=True)
+    image, first = png(np.zeros((1, 1), dtype=np.uint8)), 0
+    for number, size in enumerate(sizes):
+        ids = range(first, first + size)
+        write_tar(folder / f"{prefix}-{number:06d}.tar",
+                  ((f"k{i:05d}", {"png": image, "cls": str(i).encode()}) for i in ids))
+        first += size
+    return f"{folder}/{prefix}-{{000000..{len(sizes) - 1:06d}}}.tar"
+
+
+def ids(batches) -> list[int]:
+    return [int(i) for batch in batches for i in batch[1]]
+
+
+class Counting(IterableDataset):
+    """A plain stream with no len() and no shards: (x, id) for id in 0..n-1."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        for i in range(self.n):
+            yield torch.tensor([float(i)]), i
+
+
+def module(train, val=None, **options) -> DataModule:
+    return DataModule(train, val, **{"batch_size": 4, "shuffle_buffer": 5, **options})
+
+
+def test_brace_patterns_expand_like_webdataset():
+    assert expand_braces("d/train-{000008..000011}.tar") == [f"d/train-{i:06d}.tar" for i in range(8, 12)]
+    assert expand_braces("{a,b}-{1..2}") == ["a-1", "a-2", "b-1", "b-2"]
+    assert expand_braces("plain.tar") == ["plain.tar"]
+
+
+def test_each_epoch_is_a_permutation_set_by_seed_and_epoch_only():
+    sizes = [7, 3, 11, 5]
+    a, b = epoch_order(sizes, 1, 0, True, 4), epoch_order(sizes, 1, 0, True, 4)
+    assert torch.equal(a, b) and sorted(a.tolist()) == list(range(26))
+    assert not torch.equal(a, epoch_order(sizes, 1, 1, True, 4))
+    assert not torch.equal(a, epoch_order(sizes, 2, 0, True, 4))
+    assert epoch_order(sizes, 1, 0, False, 4).tolist() == list(range(26))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_ranks_share_an_epoch_without_overlap_equal_in_training_and_whole_in_evaluation(tmp_path, world):
+    pattern = id_shards(tmp_path, [7, 3, 11, 5])  # 26 samples
+    seen: dict[str, list[int]] = {"train": [], "val": []}
+    steps = set()
+    for rank in range(world):
+        data = module(tar_shards(pattern), tar_shards(pattern))
+        data.setup(seed=3, rank=rank, world_size=world)
+        steps.add(data.num_batches("train"))
+        seen["train"] += ids(data.batches("train", epoch=2))
+        seen["val"] += ids(data.batches("val"))
+    assert len(steps) == 1  # equal steps: DDP never waits at an epoch's end
+    assert len(set(seen["train"])) == len(seen["train"]) == 26 - 26 % world  # once each; fewer than `world` out
+    assert sorted(seen["val"]) == list(range(26))  # evaluation: every sample exactly once
+    assert rank_block(26, world - 1, world, equal=False)[1] == 26
+
+
+def test_a_resume_at_batch_k_continues_with_the_samples_not_yet_consumed(tmp_path):
+    data = module(tar_shards(id_shards(tmp_path, [9, 9, 9])), batch_size=5)
+    data.setup(seed=0)
+    whole = ids(data.batches("train", epoch=1))
+    assert sorted(whole) == list(range(27))
+    for k in (1, 3, 5):
+        assert ids(data.batches("train", epoch=1, start_batch=k)) == whole[5 * k:]
+
+
+def test_a_plain_iterable_is_counted_scanned_and_resumed_like_shards():
+    data = module(Counting(23), Counting(10), batch_size=3)
+    data.setup(seed=5, rank=1, world_size=2)  # 11 samples a rank, the 23rd left out
+    whole = ids(data.batches("train", epoch=0))
+    assert len(whole) == 11 and len(set(whole)) == 11
+    assert ids(data.batches("train", epoch=0, start_batch=2)) == whole[6:]  # a scan started again, then skipped
+    assert ids(data.batches("train", epoch=0)) == whole  # the same stream read twice
+    other = module(Counting(23), batch_size=3)
+    other.setup(seed=5, rank=0, world_size=2)
+    assert not set(ids(other.batches("train", epoch=0))) & set(whole)
+    assert ids(data.batches("val")) == list(range(5, 10))
+
+
+def test_a_stream_shorter_than_its_plan_is_one_error():
+    data = module(Counting(12))
+    data.setup(seed=0)
+    data.streams["train"].dataset.n = 6  # the stream shrank after the run started
+    with pytest.raises(ConfigError, match=r"data.train: Counting ended after 6 samples; expected at least"):
+        list(data.batches("train"))
+
+
+def test_a_resume_refuses_other_data_and_another_world_size_mid_epoch(tmp_path):
+    data = module(tar_shards(id_shards(tmp_path, [8, 8])))
+    data.setup(seed=0)
+    state = StreamState(data.streams, lambda: 3)
+    saved = state.state_dict()
+    state.check_state_dict(saved, "checkpoint c: data")
+    with pytest.raises(ConfigError, match="data.train: 16 samples now, 15 when checkpoint c was saved"):
+        state.check_state_dict({"train": {**saved["train"], "samples": 15}}, "checkpoint c: data")
+    with pytest.raises(ConfigError, match="saved mid-epoch on 2 processes, this run has 1"):
+        state.check_state_dict({"train": {**saved["train"], "world_size": 2}}, "checkpoint c: data")
+    state.check_state_dict({"train": {**saved["train"], "world_size": 2, "batch_in_epoch": 0}}, "c: data")
+
+
+def labelled(folder: Path, files: dict[str, bytes]) -> str:
+    image = png(np.zeros((2, 2), dtype=np.uint8))
+    write_tar(folder / "s-000000.tar", [("a", {"png": image, "cls": b"1"})])
+    write_tar(folder / "s-000001.tar", [(k.split(".")[0], {k.split(".")[1]: v}) for k, v in files.items()])
+    return f"{folder}/s-{{000000..000001}}.tar"
+
+
+def test_bad_shards_are_one_error_naming_the_shard_and_sample_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.train_shards='.*/none-\{0..3\}.tar': matches no file \(4 names"):
+        TarShards(f"{tmp_path}/none-{{0..3}}.tar", key="data.train_shards")
+    pattern = labelled(tmp_path, {"b.png": png(np.zeros((2, 2), dtype=np.uint8))})
+    with pytest.raises(ConfigError, match=r"sample key 'b' in shard .*s-000001.tar has no .cls label"):
+        TarShards(pattern)
+    with pytest.raises(ConfigError, match=r"shard .*s-000002.tar does not exist \(1 of the 3 shards"):
+        TarShards(pattern.replace("000001", "000002"))
+    shard = tmp_path / "s-000000.tar"
+    whole = shard.read_bytes()
+    for cut in (700, 1024, 1540, 2048 + 256):  # after data, at a header, in data, in the end blocks
+        shard.write_bytes(whole[:cut])
+        with pytest.raises(ConfigError, match=r"shard .*s-000000.tar is truncated or not a tar file"):
+            TarShards(pattern, skip_corrupt=True)
+    shard.write_bytes(b"garbage" * 100)
+    with pytest.raises(ConfigError, match="s-000000.tar is truncated or not a tar file"):
+        TarShards(pattern)
+
+
+def test_skip_corrupt_skips_each_bad_sample_with_a_warning_and_counts_it(tmp_path, caplog):
+    pattern = labelled(tmp_path, {"c.png": b"not a png", "c.cls": b"2"})
+    data = module(tar_shards(pattern), shuffle=False)  # the index is fine: the image is read with its batch
+    data.setup(seed=0)
+    with pytest.raises(ConfigError, match=r"sample key 'c' in shard .*s-000001.tar cannot be decoded"):
+        list(data.batches("train"))
+    pattern = labelled(tmp_path, {"b.png": png(np.zeros((2, 2), dtype=np.uint8)), "c.png": b"not a png",
+                                  "c.cls": b"2"})
+    data = module(tar_shards(pattern, skip_corrupt=True), skip_corrupt=True, shuffle=False)
+    data.setup(seed=0)
+    assert [b[1].tolist() for b in data.batches("train")] == [[1]]
+    assert data.skipped() == 2  # 'b' when indexed, 'c' when read
+    assert sum("skipped (data.skip_corrupt=true)" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_shards_give_images_and_labels_in_storage_order_on_their_own(tmp_path):
+    pattern = id_shards(tmp_path, [2, 3])
+    samples = list(TarShards(pattern))
+    assert [label for _, label in samples] == [0, 1, 2, 3, 4]
+    assert samples[0][0].shape == (1, 1, 1) and samples[0][0].dtype == torch.float32
+    with tarfile.open(tmp_path / "train-000000.tar") as tar:  # what was written is WebDataset's layout
+        assert tar.getnames() == ["k00000.png", "k00000.cls", "k00001.png", "k00001.cls"]
+    assert io.BytesIO(tar_shards(None) or b"").read() == b""  # a split without shards is off
