@@ -1,0 +1,145 @@
+"""Streaming runs through run.py, killed and resumed: the digest test. Every sample carries its ID (two pixels of
+its PNG); a callback writes, per rank and optimizer step, the IDs of the batch it trains on. A run SIGKILLed at a
+random step (a periodic save possibly still being written) and resumed with `resume=RUN_DIR` trains on exactly the
+same IDs at every step, per rank, as a run never interrupted, and ends bit-identical: killed with num_workers=2 and
+resumed with none (the rest of the epoch is every sample not yet consumed, each once), and under
+2-rank DDP (gloo) with workers."""
+from __future__ import annotations
+
+import random
+import re
+import signal
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import KILLHOOK, assert_identical, final_state, on_pythonpath, output, run_cli
+from framework.zoo.shards import png, write_tar
+
+pytestmark = pytest.mark.e2e
+
+SIZES = [31, 30, 30, 30]  # 121: under 2 ranks one sample is left out of each epoch
+
+RECORDER = textwrap.dedent('''
+    from pathlib import Path
+    from framework.callbacks import Callback
+
+    class Record(Callback):
+        """Appends "STEP ID ID ..." for every training batch to FOLDER/rankR.txt."""
+
+        def __init__(self, folder):
+            self.folder = Path(folder)
+
+        def on_train_batch_start(self, trainer, task, batch, batch_idx):
+            pixels = (batch[0].flatten(1)[:, :2] * 255).round().long()
+            ids = (pixels[:, 0] * 256 + pixels[:, 1]).tolist()
+            with open(self.folder / f"rank{trainer.strategy.rank}.txt", "a") as f:
+                f.write(f"{trainer.global_step} {' '.join(map(str, ids))}\\n")
+''')
+
+
+def write_id_shards(folder: Path, prefix: str, sizes: list[int]) -> str:
+    """Shards of 1x2 grey PNGs holding the sample's ID (high byte, low byte); label ID % 10."""
+    folder.mkdir(parents=True, exist_ok=True)
+    first = 0
+    for number, size in enumerate(sizes):
+        samples = [(f"{i:05d}", {"png": png(np.array([[i // 256, i % 256]], dtype=np.uint8)),
+                                 "cls": str(i % 10).encode()}) for i in range(first, first + size)]
+        write_tar(folder / f"{prefix}-{number:06d}.tar", samples)
+        first += size
+    return f"{folder}/{prefix}-{{000000..{len(sizes) - 1:06d}}}.tar"
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, Path]:
+    folder = tmp_path_factory.mktemp("shards")
+    (folder / "record.py").write_text(RECORDER)
+    return write_id_shards(folder, "train", SIZES), write_id_shards(folder, "val", [20]), folder
+
+
+def overrides(shards: tuple[str, str, Path], ids: Path, *extra: str) -> tuple[str, ...]:
+    train, val, _ = shards
+    ids.mkdir(parents=True, exist_ok=True)
+    return ("data=webdataset", f"data.train_shards='{train}'", f"data.val_shards='{val}'", "data.input_shape=[1,1,2]",
+            "data.batch_size=8", "data.shuffle_buffer=16", "data.num_workers=2", "model.hidden=[8]",
+            "trainer.max_epochs=2", "checkpoint.every_n_steps=4", "checkpoint.async_save=true", "trainer.test=false",
+            "logger.progress_bar=false", "+callbacks.ids._target_=record.Record", f"+callbacks.ids.folder={ids}",
+            *extra)
+
+
+def digest(ids: Path) -> dict[str, dict[int, list[int]]]:
+    """Per rank, the IDs trained on at each step; a step trained again after a resume counts once (its last)."""
+    found: dict[str, dict[int, list[int]]] = {}
+    for path in sorted(ids.glob("rank*.txt")):
+        for line in path.read_text().splitlines():
+            step, *samples = map(int, line.split())
+            found.setdefault(path.stem, {})[step] = samples
+    return found
+
+
+def run(run_dir: Path | None, args: tuple[str, ...], shards, kill_at: int | None = None):
+    env = {"PYTHONPATH": on_pythonpath(shards[2], *([KILLHOOK] if kill_at else []))}
+    if kill_at:
+        env.update(KILL_AT_STEP=str(kill_at), KILL_SIGNAL="SIGKILL")
+    proc = run_cli(run_dir, *args, fast=False, env=env)
+    if kill_at is None:
+        assert proc.returncode == 0, output(proc)
+    elif "parallel=ddp" in args:  # rank 0 was killed: its parent ends the other rank and says so
+        assert proc.returncode == 1 and "terminated with signal SIGKILL" in output(proc), output(proc)
+    else:
+        assert proc.returncode == -signal.SIGKILL, output(proc)
+    return proc
+
+
+def check_epochs(steps: dict[int, list[int]], per_epoch: int, epochs: int, samples: int) -> None:
+    """Each epoch's steps hold distinct IDs: all of them but fewer than `samples` - per-epoch count left out."""
+    ordered = [steps[s] for s in sorted(steps)]
+    assert len(ordered) == per_epoch * epochs
+    for e in range(epochs):
+        seen = [i for batch in ordered[e * per_epoch:(e + 1) * per_epoch] for i in batch]
+        assert len(seen) == len(set(seen)) and set(seen) <= set(range(samples))
+
+
+@pytest.mark.slow
+def test_single_process_with_workers_killed_and_resumed_trains_on_the_same_ids_and_ends_identical(
+        tmp_path, shards):
+    kill_at = random.Random(31).randint(9, 29)  # of 32 steps (16 an epoch), after the first save is written
+    whole = tmp_path / "whole"
+    run(whole, overrides(shards, tmp_path / "ids-whole"), shards)
+    steps = digest(tmp_path / "ids-whole")["rank0"]
+    check_epochs(steps, 16, 2, 121)
+    assert sorted(i for s in range(16) for i in steps[s]) == list(range(121))  # epoch 0: every sample once
+
+    # Killed with two workers, resumed with none: the rest of the epoch is every sample not yet consumed, once
+    # each, in the same order (the plan does not depend on the number of workers), so it ends identical.
+    killed = tmp_path / "killed"
+    run(killed, overrides(shards, tmp_path / "ids-killed"), shards, kill_at=kill_at)
+    resumed = run(None, (f"resume={killed}", "trust_saved_config=true", "data.num_workers=0"), shards)
+    assert re.search(r"Resumed from \S+ at step [1-9]", output(resumed))  # mid-run, not started again
+    assert digest(tmp_path / "ids-killed") == digest(tmp_path / "ids-whole"), f"kill_at={kill_at}"
+    assert_identical(final_state(whole), final_state(killed))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ddp_ranks_with_workers_killed_and_resumed_train_on_the_same_ids_and_end_identical(tmp_path, shards):
+    kill_at = random.Random(32).randint(6, 14)  # of 16 steps (8 an epoch), after the first save is written
+    ddp = ("parallel=ddp", "parallel.devices=2", "trainer.device=cpu")
+    whole = tmp_path / "whole"
+    proc = run(whole, overrides(shards, tmp_path / "ids-whole", *ddp), shards)
+    assert "data.train: 1 of 121 samples are left out of each epoch" in output(proc)
+    found = digest(tmp_path / "ids-whole")
+    assert set(found) == {"rank0", "rank1"}
+    epoch0 = [i for rank in found.values() for s in range(8) for i in rank[s]]
+    assert len(epoch0) == len(set(epoch0)) == 120  # no sample on two ranks; one left out for equal steps
+    for steps in found.values():
+        check_epochs(steps, 8, 2, 121)
+
+    killed = tmp_path / "killed"
+    run(killed, overrides(shards, tmp_path / "ids-killed", *ddp), shards, kill_at=kill_at)
+    resumed = run(None, (f"resume={killed}", "trust_saved_config=true"), shards)
+    assert re.search(r"Resumed from \S+ at step [1-9]", output(resumed))
+    assert digest(tmp_path / "ids-killed") == found, f"kill_at={kill_at}"
+    assert_identical(final_state(whole), final_state(killed))
