@@ -2,31 +2,36 @@
 
 A predict run shards the data set with `predict_indices` (rank r gets r, r+W, r+2W, ...: the evaluator's unpadded
 shards), so every sample is predicted once whatever the size modulo the world size; no padding, no duplicate.
-Each rank's `PredictionWriter` turns a batch's outputs into columns as it comes and, every `chunk_rows` rows
-(whole batches), writes them as one part file, `part-r<rank>-<seq>.parquet`: written to a `.tmp` beside it,
-fsync'd, renamed. A killed run leaves complete parts and at most one `.tmp` per rank, which the next attempt
-discards; `done()` gives the indices the complete parts hold, so the caller predicts only the others.
+Each rank's `PredictionWriter` keeps a batch's outputs as CPU tensors and, every `chunk_rows` rows (whole
+batches), turns them into Arrow columns once and writes them as one part file, `part-r<rank>-<seq>.arrow` (Arrow's
+IPC file format, uncompressed: a copy of the columns, read back memory-mapped), to a `.tmp` beside it, renamed.
+Parts are scratch, so they are not fsync'd: a killed process leaves complete parts and at most one `.tmp` per
+rank, which the next attempt discards, and a part a machine crash left damaged is predicted again (`done()` counts
+only the parts that read back; the merge drops the others with a warning). `done()` gives the indices the
+readable parts hold, so the caller predicts only the others.
 `merge` then reads every part (a window of indices at a time, never the whole data set), checks that each index
-0..total-1 appears exactly once, and writes one file in dataset order: row groups of a fixed size with fixed
-writer options, so the file depends only on its rows, and a resumed run ends with the same bytes as an
+0..total-1 appears exactly once, and writes one Parquet file in dataset order, fsync'd: row groups of a fixed size
+with fixed writer options, so the file depends only on its rows, and a resumed run ends with the same bytes as an
 uninterrupted one.
 
 Columns: `index` (int64) first, then the step's outputs in the order it returns them. A tensor with one row per
 sample is a column of its dtype (bfloat16 is stored as float32, which Parquet holds exactly); its other
 dimensions become fixed-size lists (`[N, C]` probabilities: a list of C per row). A list of N str, int, float or
-bool is a column of that type. Anything else is a UserError naming the column. No pickle: Parquet only.
+bool is a column of that type. Anything else is a UserError naming the column. No pickle: Arrow and Parquet only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
 import re
 import threading
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, Union
 
 import numpy as np
 import pyarrow as pa
@@ -35,11 +40,12 @@ import torch
 
 from framework.errors import UserError
 
+log = logging.getLogger(__name__)
 INDEX = "index"
 MERGED_ROW_GROUP_ROWS = 16384
 # Fixed, so that equal rows make equal bytes (pyarrow writes no timestamp; its version is in `created_by`).
 # No dictionary encoding: predictions are mostly floats and unique indices, which it only slows down (it cost
-# ~2 ms per 4,096-row chunk here, most of what writing a part costs besides fsync) and makes larger after zstd.
+# ~2 ms per 4,096 rows here) and makes larger after zstd.
 WRITE_OPTIONS: dict[str, Any] = {
     "compression": "zstd",
     "use_dictionary": False,
@@ -47,10 +53,11 @@ WRITE_OPTIONS: dict[str, Any] = {
     "version": "2.6",
     "data_page_version": "1.0",
 }
-# Parts live until the merge: written fast, not small.
-PART_OPTIONS = {**WRITE_OPTIONS, "compression": "none"}
-PART = re.compile(r"part-r(\d+)-(\d+)\.parquet")
+PART = re.compile(r"part-r(\d+)-(\d+)\.arrow")
 EXPECTED = "a tensor with one row per sample (shape [N] or [N, K]) or a list of N str, int, float or bool"
+# One output of one batch, as kept until its chunk is written: a CPU tensor (bfloat16 made float32) or, for a
+# list of Python values, an Arrow array.
+Piece = Union[torch.Tensor, pa.Array]
 
 
 def predict_indices(total: int, rank: int, world_size: int) -> range:
@@ -68,21 +75,22 @@ def part_files(out_dir: Path) -> list[Path]:
 
 
 class PredictionWriter:
-    """One rank's predictions, streamed to Parquet part files in `out_dir` in chunks as they come."""
+    """One rank's predictions, streamed to Arrow part files in `out_dir` in chunks as they come."""
 
     def __init__(self, out_dir: Path, rank: int, world_size: int, chunk_rows: int = 4096) -> None:
         if not 0 <= rank < world_size or chunk_rows < 1:
             raise ValueError(f"rank {rank} of {world_size} with chunk_rows={chunk_rows}")
         self.out_dir, self.rank, self.chunk_rows = Path(out_dir), rank, chunk_rows
-        self._pending: list[pa.RecordBatch] = []
+        self._pending: list[tuple[torch.Tensor, dict[str, Piece]]] = []
         self._pending_rows = 0
-        # A chunk is written in a thread of its own while the next is predicted (pyarrow and fsync release the GIL).
+        # A chunk is converted and written in a thread of its own while the next is predicted (torch.cat, Arrow
+        # and the write release the GIL).
         self._writing: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             # This rank's half-written chunk of a killed attempt; other ranks' .tmp files may be in progress.
-            for stale in self.out_dir.glob(f"part-r{rank:05d}-*.parquet.tmp"):
+            for stale in self.out_dir.glob(f"part-r{rank:05d}-*.arrow.tmp"):
                 stale.unlink()
         except OSError as err:
             raise _unwritable(self.out_dir, err) from None
@@ -90,14 +98,17 @@ class PredictionWriter:
         own = [int(m.group(2)) for m in map(PART.fullmatch, (p.name for p in parts)) if m and int(m.group(1)) == rank]
         self._seq = max(own, default=-1) + 1
         # An earlier attempt's columns: a resumed run must write the same ones, or the merge could not join them.
-        self._schema: Optional[pa.Schema] = _read_schema(parts[0]) if parts else None
+        readable = (table for table in map(_read, parts) if table is not None)
+        self._schema: Optional[pa.Schema] = next((table.schema for table in readable), None)
+        self._signatures: dict[tuple[Any, ...], pa.Schema] = {}  # a batch's column kinds -> its schema, checked
 
     def done(self) -> set[int]:
-        """The sample indices already in complete part files (an earlier attempt's kept chunks, any rank's), which
+        """The sample indices already in readable part files (an earlier attempt's kept chunks, any rank's), which
         the caller skips."""
         found: set[int] = set()
-        for part in part_files(self.out_dir):
-            found.update(_read(part, [INDEX]).column(0).to_numpy().tolist())
+        for table in map(_read, part_files(self.out_dir)):
+            if table is not None:
+                found.update(table.column(INDEX).to_numpy().tolist())
         return found
 
     def write(self, indices: torch.Tensor, outputs: Mapping[str, Any] | torch.Tensor) -> None:
@@ -105,18 +116,22 @@ class PredictionWriter:
         to values (a bare tensor is the column "output"). Written out once `chunk_rows` rows are pending."""
         if indices.dim() != 1 or indices.dtype != torch.int64:
             raise TypeError(f"indices: expected a 1-D int64 tensor, got {_describe(indices)}")
-        batch = record_batch(indices.to("cpu", copy=True).numpy(), outputs)
-        if self._schema is None:
-            self._schema = batch.schema
-        elif not batch.schema.equals(self._schema):
-            raise UserError(_schema_change(self._schema, batch.schema))
-        self._pending.append(batch)
-        self._pending_rows += batch.num_rows
+        pieces = batch_pieces(outputs, len(indices))
+        signature = tuple((name, _kind(piece)) for name, piece in pieces.items())
+        if signature not in self._signatures:
+            schema = pa.schema([(INDEX, pa.int64()), *((name, _arrow_type(name, p)) for name, p in pieces.items())])
+            if self._schema is None:
+                self._schema = schema
+            elif not schema.equals(self._schema):
+                raise UserError(_schema_change(self._schema, schema))
+            self._signatures[signature] = schema
+        self._pending.append((indices.to("cpu", copy=True), pieces))
+        self._pending_rows += len(indices)
         if self._pending_rows >= self.chunk_rows:
             self._flush()
 
     def close(self) -> None:
-        """Write the last partial chunk and wait until every chunk is on disk (fsync'd, renamed into place)."""
+        """Write the last partial chunk and wait until every chunk is in place (renamed from its `.tmp`)."""
         self._flush()
         self._wait()
 
@@ -124,9 +139,10 @@ class PredictionWriter:
         if not self._pending_rows:
             return
         self._wait()  # one chunk in flight at most: memory holds two chunks, not the data set
-        path = self.out_dir / f"part-r{self.rank:05d}-{self._seq:06d}.parquet"
+        assert self._schema is not None
+        path = self.out_dir / f"part-r{self.rank:05d}-{self._seq:06d}.arrow"
         self._writing = threading.Thread(
-            target=self._write, args=(self._pending, path), name=f"predictions {path.name}"
+            target=self._write, args=(self._pending, self._schema, path), name=f"predictions {path.name}"
         )
         self._writing.start()
         self._seq += 1
@@ -141,18 +157,28 @@ class PredictionWriter:
         if error is not None:
             raise error
 
-    def _write(self, batches: list[pa.RecordBatch], path: Path) -> None:
+    def _write(self, batches: list[tuple[torch.Tensor, dict[str, Piece]]], schema: pa.Schema, path: Path) -> None:
         """In the chunk's thread (not a daemon: a process exiting waits for its chunk to land)."""
         try:
-            table = pa.Table.from_batches(batches).combine_chunks()
-            with _atomic_parquet(path, table.schema, PART_OPTIONS) as writer:
-                writer.write_table(table, row_group_size=table.num_rows)
+            columns = [pa.array(torch.cat([i for i, _ in batches]).numpy(), type=pa.int64())]
+            columns += [_joined([pieces[name] for _, pieces in batches]) for name in schema.names[1:]]
+            chunk = pa.RecordBatch.from_arrays(columns, schema=schema)
+            tmp = path.with_name(path.name + ".tmp")
+            try:
+                with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as part:
+                    part.write_batch(chunk)
+                os.replace(tmp, path)
+            except OSError as err:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
+                raise _unwritable(path.parent, err) from None
         except BaseException as err:  # raised in the caller's thread, at its next chunk or close
             self._error = err
 
 
-def record_batch(indices: np.ndarray, outputs: Mapping[str, Any] | torch.Tensor) -> pa.RecordBatch:
-    """A batch's rows: `index` then one column per output, each checked to hold one value per sample."""
+def batch_pieces(outputs: Mapping[str, Any] | torch.Tensor, rows: int) -> dict[str, Piece]:
+    """A batch's outputs, each checked to hold one value per sample and copied off the step's memory: tensors to
+    the CPU (bfloat16 as float32), lists of Python values to Arrow."""
     if isinstance(outputs, torch.Tensor):
         outputs = {"output": outputs}
     if not isinstance(outputs, Mapping) or not outputs:
@@ -160,21 +186,24 @@ def record_batch(indices: np.ndarray, outputs: Mapping[str, Any] | torch.Tensor)
             f"predict_step returned {_describe(outputs)}; expected a dict of column name to {EXPECTED}, "
             'e.g. {"prediction": logits.argmax(-1)}'
         )
-    columns = {INDEX: pa.array(indices, type=pa.int64())}
+    pieces: dict[str, Piece] = {}
     for name, value in outputs.items():
         if not isinstance(name, str) or name == INDEX:
             raise UserError(
                 f"predict_step output {name!r}: expected a column name of type str other than {INDEX!r} "
                 "(the sample's index is written there)"
             )
-        columns[name] = column(name, value, len(indices))
-    return pa.RecordBatch.from_pydict(columns)
+        pieces[name] = _piece(name, value, rows)
+    return pieces
 
 
-def column(name: str, value: Any, rows: int) -> pa.Array:
-    """One output as an Arrow column of `rows` values, or a UserError naming it."""
+def _piece(name: str, value: Any, rows: int) -> Piece:
     if isinstance(value, torch.Tensor):
-        return _tensor_column(name, value, rows)
+        if value.dim() == 0 or len(value) != rows or 0 in value.shape[1:] or _numpy_type(value.dtype) is None:
+            raise _bad(name, value, rows)
+        # A copy: the step may reuse its memory, and Arrow will share numpy's.
+        dtype = torch.float32 if value.dtype == torch.bfloat16 else value.dtype
+        return value.detach().to("cpu", dtype, copy=True)
     if isinstance(value, (list, tuple)) and len(value) == rows:
         kinds = {type(v) for v in value}
         if len(kinds) == 1 and kinds <= {str, int, float, bool}:
@@ -185,17 +214,40 @@ def column(name: str, value: Any, rows: int) -> pa.Array:
     raise _bad(name, value, rows)
 
 
-def _tensor_column(name: str, value: torch.Tensor, rows: int) -> pa.Array:
-    if value.dim() == 0 or len(value) != rows or 0 in value.shape[1:] or value.is_complex():
-        raise _bad(name, value, rows)
-    value = value.detach().to("cpu", copy=True)  # a copy: Arrow shares numpy's memory, and a step may reuse it
-    if value.dtype == torch.bfloat16:  # Arrow has no bfloat16; float32 holds each of its values exactly
-        value = value.float()
+@functools.lru_cache(maxsize=None)
+def _numpy_type(dtype: torch.dtype) -> Optional[pa.DataType]:
+    """The Arrow type of a tensor's values (bfloat16: float32), or None for what numpy or Arrow has not (complex,
+    quantized, float8, ...)."""
+    if dtype == torch.bfloat16:
+        return pa.float32()
     try:
-        flat = pa.array(value.contiguous().numpy().reshape(-1))
-    except (TypeError, pa.ArrowException):  # a dtype numpy or Arrow has not (quantized, float8, ...)
-        raise _bad(name, value, rows) from None
-    for size in reversed(value.shape[1:]):
+        return pa.from_numpy_dtype(torch.empty(0, dtype=dtype).numpy().dtype)
+    except (TypeError, RuntimeError, pa.ArrowException):
+        return None
+
+
+def _kind(piece: Piece) -> Any:
+    return (piece.dtype, tuple(piece.shape[1:])) if isinstance(piece, torch.Tensor) else piece.type
+
+
+def _arrow_type(name: str, piece: Piece) -> pa.DataType:
+    if not isinstance(piece, torch.Tensor):
+        return piece.type
+    kind = _numpy_type(piece.dtype)
+    assert kind is not None  # checked by _piece
+    for size in reversed(piece.shape[1:]):
+        kind = pa.list_(kind, size)
+    return kind
+
+
+def _joined(pieces: list[Piece]) -> pa.Array:
+    """One column of a chunk: its batches' pieces as one Arrow array (a tensor's other dimensions nested as
+    fixed-size lists)."""
+    if not isinstance(pieces[0], torch.Tensor):
+        return pa.concat_arrays(pieces)
+    values = torch.cat(pieces)
+    flat = pa.array(values.numpy().reshape(-1))
+    for size in reversed(values.shape[1:]):
         flat = pa.FixedSizeListArray.from_arrays(flat, size)
     return flat
 
@@ -232,50 +284,55 @@ def _schema_change(before: pa.Schema, now: pa.Schema) -> str:
 
 @dataclass
 class _Part:
-    """A part file's index range, then (once the merge reaches it) its rows sorted by index."""
+    """A part file's rows (memory-mapped) sorted by index, and its lowest and highest index."""
 
-    low: int
-    high: int
     path: Path
-    table: Optional[pa.Table] = None
-    index: Optional[np.ndarray] = None
+    table: pa.Table
+    index: np.ndarray
 
-    def load(self) -> None:
-        table = _read(self.path)
-        index = table.column(INDEX).to_numpy()
-        if not _ascending(index):  # a rank writes its rows in index order: sorted already, but trust no file
-            order = np.argsort(index, kind="stable")
-            table, index = table.take(order), index[order]
-        self.table, self.index = table, index
+    @property
+    def low(self) -> int:
+        return int(self.index[0]) if len(self.index) else 0
+
+    @property
+    def high(self) -> int:
+        return int(self.index[-1]) if len(self.index) else -1
 
     def rows(self, start: int, stop: int) -> pa.Table:
-        assert self.table is not None and self.index is not None
         first, last = np.searchsorted(self.index, [start, stop])
         return self.table.slice(first, last - first)
 
 
 def merge(out_dir: Path, total: int, dest: Path, *, row_group_rows: int = MERGED_ROW_GROUP_ROWS) -> int:
     """After every rank closed its writer (the caller runs a barrier first), on one rank: every part file of
-    `out_dir` read, each index 0..total-1 exactly once (a duplicate or a missing index is a RuntimeError naming
-    it), rows in dataset order, written to `dest` (a `.tmp` renamed) in row groups of `row_group_rows`. Parts are
-    read as the merge reaches their indices and dropped after them, so memory holds a window, not the data set.
+    `out_dir` read (memory-mapped: the OS pages in a window of rows, not the data set), each index 0..total-1
+    exactly once (a duplicate or a missing index is a RuntimeError naming it), rows in dataset order, written to
+    `dest` (a `.tmp`, fsync'd and renamed) in row groups of `row_group_rows`. A part that cannot be read (a
+    machine crash's, whose rows `done()` did not count, so they were predicted again) is dropped with a warning.
     Returns the rows written; the part files are removed afterwards."""
     out_dir, dest = Path(out_dir), Path(dest)
     paths = part_files(out_dir)
-    schema = _common_schema(paths)
-    waiting = deque(sorted((_index_range(path, total) for path in paths), key=lambda part: part.low))
+    parts = []
+    for path in paths:
+        part = _load(path, total)
+        if part is None:
+            log.warning("predictions: part file %s cannot be read; its rows were predicted again", path)
+        else:
+            parts.append(part)
+    schema = _common_schema(parts)
+    waiting = deque(sorted(parts, key=lambda part: part.low))
     live: list[_Part] = []
     with _atomic_parquet(dest, schema) as writer:
         for start in range(0, total, row_group_rows):
             stop = min(start + row_group_rows, total)
             while waiting and waiting[0].low < stop:
                 live.append(waiting.popleft())
-                live[-1].load()
             pieces = [part.rows(start, stop) for part in live]
             live = [part for part in live if part.high >= stop]
             window = pa.concat_tables(pieces) if pieces else schema.empty_table()
             writer.write_table(_in_order(window, start, stop, out_dir, total), row_group_size=row_group_rows)
-    for path in [*paths, *out_dir.glob("part-r*.parquet.tmp")]:
+    del parts, waiting, live  # the memory maps, closed before their files are removed
+    for path in [*paths, *out_dir.glob("part-r*.arrow.tmp")]:
         path.unlink(missing_ok=True)
     with contextlib.suppress(OSError):  # a folder the caller put something else in stays
         out_dir.rmdir()
@@ -302,46 +359,41 @@ def _ascending(index: np.ndarray) -> bool:
     return bool(np.all(index[:-1] <= index[1:]))
 
 
-def _index_range(path: Path, total: int) -> _Part:
-    """A part's lowest and highest index, from the statistics of its index column (no rows read)."""
-    meta = pq.ParquetFile(path).metadata
-    stats = [meta.row_group(i).column(0).statistics for i in range(meta.num_row_groups)]
-    if not stats or not all(s is not None and s.has_min_max for s in stats):
-        index = _read(path, [INDEX]).column(0).to_numpy()
-        low, high = (int(index.min()), int(index.max())) if len(index) else (0, -1)
-    else:
-        low, high = min(s.min for s in stats), max(s.max for s in stats)
-    for bad in (low, high):
-        if not 0 <= bad < total and high >= low:
+def _load(path: Path, total: int) -> Optional[_Part]:
+    """A part's rows sorted by index (a rank writes them in order: sorted already, but trust no file), or None
+    when the file cannot be read."""
+    table = _read(path)
+    if table is None:
+        return None
+    index = table.column(INDEX).to_numpy()
+    if not _ascending(index):
+        order = np.argsort(index, kind="stable")
+        table, index = table.take(order), index[order]
+    for bad in index[[0, -1]] if len(index) else ():
+        if not 0 <= bad < total:
             raise RuntimeError(f"predictions in {path}: index {bad} is outside 0..{total - 1}")
-    return _Part(low, high, path)
+    return _Part(path, table, index)
 
 
-def _common_schema(paths: list[Path]) -> pa.Schema:
-    schema = _read_schema(paths[0]) if paths else pa.schema([(INDEX, pa.int64())])
-    for path in paths[1:]:
-        other = _read_schema(path)
-        if not other.equals(schema):
-            raise UserError(f"predictions: {path} has columns {other}; expected {schema}, as in {paths[0]}")
+def _common_schema(parts: list[_Part]) -> pa.Schema:
+    schema = parts[0].table.schema if parts else pa.schema([(INDEX, pa.int64())])
+    for part in parts[1:]:
+        if not part.table.schema.equals(schema):
+            raise UserError(
+                f"predictions: {part.path} has columns {part.table.schema}; expected {schema}, as in {parts[0].path}"
+            )
     return schema
 
 
-def _read_schema(path: Path) -> pa.Schema:
+def _read(path: Path) -> Optional[pa.Table]:
+    """A part file's table, memory-mapped, or None when it is not a whole Arrow file with an int64 index first."""
     try:
-        return pq.read_schema(path).remove_metadata()
-    except (pa.ArrowException, OSError) as err:
-        raise _damaged(path, err) from None
-
-
-def _read(path: Path, columns: Optional[list[str]] = None) -> pa.Table:
-    try:
-        return pq.read_table(path, columns=columns).replace_schema_metadata(None)
-    except (pa.ArrowException, OSError) as err:
-        raise _damaged(path, err) from None
-
-
-def _damaged(path: Path, err: Exception) -> UserError:
-    return UserError(f"predictions: part file {path} cannot be read ({err}); delete it to predict its rows again")
+        table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+    except (pa.ArrowException, OSError):
+        return None
+    if not table.schema.names or table.schema.names[0] != INDEX or table.schema.types[0] != pa.int64():
+        return None
+    return table
 
 
 def _unwritable(path: Path, err: OSError) -> UserError:

@@ -96,15 +96,20 @@ def test_merged_file_has_every_index_once_in_dataset_order(tmp_path, world):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["predictions.parquet"]
 
 
+def rows(part: Path) -> int:
+    """A part file's rows, read with pyarrow's own reader of Arrow's IPC file format."""
+    return pa.ipc.open_file(pa.memory_map(str(part))).read_all().num_rows
+
+
 def test_each_rank_streams_whole_batches_in_chunks_of_part_files(tmp_path):
     writer = PredictionWriter(tmp_path, 1, 2, chunk_rows=8)
     for start in range(0, 20, BATCH):
         writer.write(torch.arange(start, start + BATCH), {"y": torch.zeros(BATCH)})
     # On disk before close: the first chunk (the second may still be on its way, written while we predict).
-    assert pq.read_metadata(part_files(tmp_path)[0]).num_rows == 8
+    assert rows(part_files(tmp_path)[0]) == 8
     writer.close()
-    assert [p.name for p in part_files(tmp_path)] == [f"part-r00001-00000{k}.parquet" for k in range(3)]
-    assert [pq.read_metadata(p).num_rows for p in part_files(tmp_path)] == [8, 8, 4]  # whole batches
+    assert [p.name for p in part_files(tmp_path)] == [f"part-r00001-00000{k}.arrow" for k in range(3)]
+    assert [rows(p) for p in part_files(tmp_path)] == [8, 8, 4]  # whole batches
     assert writer.done() == set(range(20))
 
 
@@ -115,8 +120,8 @@ def test_a_killed_run_resumed_keeps_its_chunks_and_ends_with_the_same_bytes(tmp_
 
     parts = tmp_path / "killed"
     predict(parts, total, world, stop_after={0: 3, 1: 1})  # rank 0: a chunk on disk, a batch lost; 1: none
-    stray = parts / "part-r00000-000001.parquet.tmp"
-    stray.write_bytes(b"PAR1 half a chunk")  # the chunk rank 0 was writing when killed
+    stray = parts / "part-r00000-000001.arrow.tmp"
+    stray.write_bytes(b"ARROW1 half a chunk")  # the chunk rank 0 was writing when killed
     kept = PredictionWriter(parts, 0, world).done()
     assert kept and len(kept) < total and len(kept) % BATCH == 0
     predict(parts, total, world)
@@ -265,11 +270,26 @@ def test_a_read_only_folder_is_one_line_naming_it(tmp_path):
         writer.close()
 
 
-def test_a_damaged_part_is_one_line_naming_it(tmp_path):
-    (tmp_path / "part-r00000-000000.parquet").write_bytes(b"not parquet")
-    with pytest.raises(UserError, match="part-r00000-000000.parquet cannot be read") as err:
-        PredictionWriter(tmp_path, 1, 2)
-    assert "\n" not in str(err.value)
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty"])
+def test_a_damaged_part_is_predicted_again_and_dropped_by_the_merge_with_a_warning(tmp_path, damage, caplog):
+    """Parts are not fsync'd (scratch, renamed into place whole): a machine crash may leave one damaged. It is
+    not counted as done, its rows are predicted again, and the merge drops it with one warning naming it."""
+    total = 20
+    predict(tmp_path / "once", total, 1)
+    merge(tmp_path / "once", total, tmp_path / "once.parquet", row_group_rows=16)
+
+    predict(tmp_path / "parts", total, 2)
+    victim = part_files(tmp_path / "parts")[0]
+    whole = victim.read_bytes()
+    victim.write_bytes({"garbage": b"not arrow", "truncated": whole[: len(whole) // 2], "empty": b""}[damage])
+    assert PredictionWriter(tmp_path / "parts", 0, 2).done() == set(range(total)) - set(range(0, 8 * 2, 2))
+    predict(tmp_path / "parts", total, 2)  # predicts rank 0's lost chunk again
+    with caplog.at_level("WARNING", logger="framework.predictions"):
+        merge(tmp_path / "parts", total, tmp_path / "resumed.parquet", row_group_rows=16)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"predictions: part file {victim} cannot be read; its rows were predicted again"]
+    assert (tmp_path / "resumed.parquet").read_bytes() == (tmp_path / "once.parquet").read_bytes()
+    assert not (tmp_path / "parts").exists()
 
 
 def test_the_default_predict_step_is_the_models_output_for_the_inputs():
@@ -294,7 +314,7 @@ def test_a_classifier_predicts_the_class_and_its_probabilities(tmp_path):
     writer = PredictionWriter(tmp_path, 0, 1)
     writer.write(torch.arange(5), out)
     writer.close()
-    assert pq.read_table(part_files(tmp_path)[0]).column_names == ["index", "prediction", "probabilities"]
+    assert pa.ipc.open_file(pa.memory_map(str(part_files(tmp_path)[0]))).schema.names == ["index", "prediction", "probabilities"]
 
 
 class Ported(Task):
