@@ -88,28 +88,9 @@ class TarShards(IterableDataset):
         self._pid = -1
 
     def _index(self, number: int, path: Path) -> list[Sample]:
-        size, last = path.stat().st_size, "(none)"
         groups: dict[str, dict[str, tuple[int, int]]] = {}
-        try:
-            with tarfile.open(path, "r:") as tar:
-                for member in tar:
-                    if not member.isfile():
-                        continue
-                    if member.offset_data + member.size > size:
-                        raise tarfile.ReadError(f"{member.name} ends past the end of the file")
-                    base, _, ext = member.name.partition(".")
-                    groups.setdefault(base, {})[ext.lower()] = (member.offset_data, member.size)
-                    last = base
-                end = tar.offset  # tarfile stops quietly at a cut or garbled header: the end must be zero blocks
-            with open(path, "rb") as f:
-                f.seek(end)
-                if f.read(512) != bytes(512):
-                    raise tarfile.ReadError(f"no end-of-archive block at byte {end}")
-        except (tarfile.TarError, OSError, EOFError) as err:
-            raise ConfigError(
-                f"{self.key}: shard {path} is truncated or not a tar file ({err}; last sample key read: {last}); "
-                "expected a complete WebDataset tar"
-            ) from None
+        for base, ext, offset, size in _members(path, self.key):
+            groups.setdefault(base, {})[ext] = (offset, size)
         found = []
         for base, files in groups.items():
             image = next((files[e] for e in IMAGE_EXTS if e in files), None)
@@ -176,6 +157,75 @@ class TarShards(IterableDataset):
 
     def __getstate__(self) -> dict[str, Any]:  # open files stay in the process that opened them
         return {**self.__dict__, "_files": {}, "_pid": -1}
+
+
+class TokenShards(IterableDataset):
+    """A token stream from WebDataset tar shards: each `KEY.bin` member is a run of bytes (byte-level tokens), cut
+    into windows of `block_size + 1` bytes, `block_size` apart (inputs and their next-byte targets: a collate such
+    as experiments.lm.next_token_batch makes the pair). Windows never straddle two members."""
+
+    def __init__(self, shards: Union[str, Sequence[str]], *, block_size: int, key: str = "shards") -> None:
+        self.block_size, self.key = block_size, key
+        self.paths = shard_paths(shards, key)
+        self.windows: list[tuple[int, int]] = []  # (shard, byte offset) of each window
+        self.sizes: list[int] = []
+        for number, path in enumerate(self.paths):
+            runs = [(o, n) for _, ext, o, n in _members(path, key) if ext == "bin"]
+            found = [(number, o + w * block_size) for o, n in runs for w in range(max(0, (n - 1) // block_size))]
+            self.windows.extend(found)
+            self.sizes.append(len(found))
+        self._files: dict[int, BinaryIO] = {}
+        self._pid = -1
+
+    def shard_sizes(self) -> list[int]:
+        return list(self.sizes)
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def read(self, positions: Sequence[int]) -> Iterator[torch.Tensor]:
+        if self._pid != os.getpid():  # a worker process: its own file handles, never its parent's
+            self._files, self._pid = {}, os.getpid()
+        for position in positions:
+            shard, offset = self.windows[position]
+            f = self._files.get(shard)
+            if f is None:
+                f = self._files[shard] = open(self.paths[shard], "rb")  # noqa: SIM115 (kept open while reading)
+            f.seek(offset)
+            yield torch.frombuffer(bytearray(f.read(self.block_size + 1)), dtype=torch.uint8)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return self.read(range(len(self.windows)))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_files": {}, "_pid": -1}
+
+
+def _members(path: Path, key: str) -> list[tuple[str, str, int, int]]:
+    """(sample key, extension, data offset, size) of each file in a shard, in order, checked whole (a cut or
+    garbled tar is an error naming the last sample key read)."""
+    size, found, last = path.stat().st_size, [], "(none)"
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                if member.offset_data + member.size > size:
+                    raise tarfile.ReadError(f"{member.name} ends past the end of the file")
+                base, _, ext = member.name.partition(".")
+                found.append((base, ext.lower(), member.offset_data, member.size))
+                last = base
+            end = tar.offset  # tarfile stops quietly at a cut or garbled header: the end must be zero blocks
+        with open(path, "rb") as f:
+            f.seek(end)
+            if f.read(512) != bytes(512):
+                raise tarfile.ReadError(f"no end-of-archive block at byte {end}")
+    except (tarfile.TarError, OSError, EOFError) as err:
+        raise ConfigError(
+            f"{key}: shard {path} is truncated or not a tar file ({err}; last sample key read: {last}); "
+            "expected a complete WebDataset tar"
+        ) from None
+    return found
 
 
 def tar_shards(shards: Union[None, str, Sequence[str]], **options: Any) -> Optional[TarShards]:

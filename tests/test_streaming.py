@@ -14,7 +14,7 @@ from torch.utils.data import IterableDataset
 
 from framework.data import DataModule
 from framework.errors import ConfigError
-from framework.shards import TarShards, tar_shards
+from framework.shards import TarShards, TokenShards, tar_shards
 from framework.streaming import StreamState, epoch_order, expand_braces, rank_block
 from framework.zoo.shards import png, write_tar
 
@@ -176,3 +176,20 @@ def test_shards_give_images_and_labels_in_storage_order_on_their_own(tmp_path):
     with tarfile.open(tmp_path / "train-000000.tar") as tar:  # what was written is WebDataset's layout
         assert tar.getnames() == ["k00000.png", "k00000.cls", "k00001.png", "k00001.cls"]
     assert io.BytesIO(tar_shards(None) or b"").read() == b""  # a split without shards is off
+
+
+def test_a_token_stream_is_windows_within_members_written_once_from_the_stdlib(tmp_path):
+    from experiments.lm import stdlib_bytes
+    from experiments.lm_stream import stdlib_token_shards
+
+    write_tar(tmp_path / "t-000000.tar", [("a", {"bin": bytes(range(10))}), ("b", {"bin": bytes(range(20, 27))})])
+    tokens = TokenShards(f"{tmp_path}/t-{{000000..000000}}.tar", block_size=3)
+    assert [w.tolist() for w in tokens] == [[0, 1, 2, 3], [3, 4, 5, 6], [6, 7, 8, 9], [20, 21, 22, 23],
+                                            [23, 24, 25, 26]]
+    val = stdlib_token_shards(str(tmp_path), "val", block_size=64, shard_bytes=1 << 16)
+    written = sorted(p.name for p in (tmp_path / "stdlib_shards").iterdir())
+    again = stdlib_token_shards(str(tmp_path), "val", block_size=64, shard_bytes=1 << 16)
+    assert sorted(p.name for p in (tmp_path / "stdlib_shards").iterdir()) == written and len(again) == len(val)
+    data = stdlib_bytes()
+    first = next(iter(val))
+    assert bytes(first.tolist()) == data[int(len(data) * 0.95):][:65]

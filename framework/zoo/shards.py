@@ -9,6 +9,7 @@ the command line that trains on them.
 from __future__ import annotations
 
 import io
+import os
 import sys
 import tarfile
 from pathlib import Path
@@ -30,7 +31,7 @@ def png(image: np.ndarray) -> bytes:
 
 def write_tar(path: Path, samples: Iterable[tuple[str, dict[str, bytes]]]) -> None:
     """One shard: for each `(key, {ext: bytes})`, the files KEY.ext, in order (written to a temporary name first)."""
-    partial = path.with_name(path.name + ".part")
+    partial = path.with_name(f"{path.name}.{os.getpid()}.part")  # processes writing the same shard do not mix
     with tarfile.open(partial, "w") as tar:
         for key, files in samples:
             for ext, data in files.items():
