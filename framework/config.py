@@ -10,6 +10,7 @@ the hardware a setting names) lives in `validate()`, called once by the app befo
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 import re
 from dataclasses import dataclass, field, fields
@@ -61,8 +62,24 @@ class TrainerConfig:
 
 
 @dataclass
+class CsvConfig:
+    filename: str = "metrics.csv"  # in the run directory: step,name,value rows
+
+
+@dataclass
+class MlflowConfig:
+    tracking_uri: str = "sqlite:///outputs/mlflow.db"  # conf/logger/mlflow.yaml: $MLFLOW_TRACKING_URI first
+    experiment_name: Optional[str] = None  # null: the run's `name`
+    run_name: Optional[str] = None  # null: the run directory's name
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
 class LoggerConfig:
-    tensorboard: bool = True
+    # The backends: `logger=[tensorboard,csv,mlflow]` chooses several; a null node is off (framework/trackers.py).
+    tensorboard: bool = False  # conf/logger/tensorboard.yaml (the default option) turns it on
+    csv: Optional[CsvConfig] = None
+    mlflow: Optional[MlflowConfig] = None
     progress_bar: bool = True
     progress_every_s: float = 30.0  # output that is not a terminal: also a line every N seconds within an epoch
 
@@ -416,6 +433,7 @@ def validate(cfg: DictConfig) -> None:
         cfg.logger.progress_every_s,
         "a number of seconds > 0",
     )
+    _check_trackers_installed(cfg.logger)
     _check_callbacks(cfg.get("callbacks", DictConfig({})))
     _check_checkpoint(cfg.checkpoint, cfg.data)
     _check_test_ckpt(cfg.trainer.test_ckpt, cfg.checkpoint, cfg.data)
@@ -426,6 +444,19 @@ def validate(cfg: DictConfig) -> None:
         _check_data(cfg.data)
     _check_hardware(cfg.trainer.device, cfg.parallel)
     check_stage(cfg)
+
+
+def _check_trackers_installed(logger: DictConfig) -> None:
+    """A chosen tracker whose package is missing is refused before the run starts (imported only when used)."""
+    from framework.trackers import PACKAGES
+
+    for name, package in PACKAGES.items():
+        if logger.get(name) is not None and importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"logger={name}: the {package} package is not installed; expected it installed "
+                f"(pip install 'hydra-torch-framework[trackers]', or pip install {package}), or logger={name} "
+                "left out of the logger list"
+            )
 
 
 STAGES = ("fit", "validate", "test", "predict")

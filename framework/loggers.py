@@ -1,6 +1,10 @@
-"""What a run reports: TensorBoard event files and the closing summary (the progress bar is in progress.py).
+"""What a run reports: TensorBoard event files, the trackers beside them, and the closing summary (the progress bar
+is in progress.py).
 
-Only rank 0 creates these; other ranks get disabled instances, so the trainer never branches on rank.
+Only rank 0 creates these; other ranks get disabled instances, so the trainer never branches on rank. Every scalar
+the run logs goes through `TensorBoardLogger.log_metrics` (the metric logger's, the trainer's best/*), so the
+trackers the config chooses (framework/trackers.py: CSV, MLflow) hang there: rank 0 opens them at the run's start
+(setup_report), and they get each scalar TensorBoard gets, whether or not TensorBoard itself is on.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from framework.trackers import Trackers
+
 
 class TensorBoardLogger:
     """Scalars and text into the run directory's event files (so `tensorboard --logdir outputs` finds them)."""
@@ -22,6 +28,7 @@ class TensorBoardLogger:
         leaves no event file that TensorBoard would show as an empty run."""
         self.enabled, self.log_dir, self.purge_step = enabled, log_dir, purge_step
         self._writer: Any = None
+        self.trackers = Trackers()  # none until rank 0 opens the config's (setup_report.describe_setup)
 
     @property
     def experiment(self) -> Any:
@@ -40,6 +47,8 @@ class TensorBoardLogger:
         if self.enabled:
             for name, value in metrics.items():
                 self.writer.add_scalar(name, value, step)
+        if self.trackers.active:
+            self.trackers.log_metrics(metrics, step)
 
     def log_hparams(self, hparams: Mapping[str, Any], metric_tags: list[str]) -> None:
         """Start this run's HParams session in its own event files (not a sub-run, as `add_hparams` would),
@@ -71,11 +80,13 @@ class TensorBoardLogger:
     def flush(self) -> None:
         if self._writer is not None:
             self._writer.flush()
+        self.trackers.flush()
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
         self._writer, self.enabled = None, False
+        self.trackers.close()
 
 
 def write_json(path: Path, data: Mapping[str, Any] | list[Any]) -> None:

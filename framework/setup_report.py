@@ -1,6 +1,7 @@
 """What a user checks before trusting a run, written once it is built: the global batch, the parameter groups
 (`param_groups.json`), the LR plan, the config and TensorBoard's layout and HParams session (a fresh run only), and
-in a dry run the model summary. Printed and written by rank 0 only."""
+in a dry run the model summary; then the trackers the config chooses are opened (framework/trackers.py), once
+the LR plan, a TensorBoard chart, is written. Printed and written by rank 0 only."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from framework.loggers import write_json
 from framework.optim import describe_groups, format_groups, lr_plan
 from framework.progress import file_only
 from framework.tensorboard_layout import layout
+from framework.trackers import Trackers
 
 log = logging.getLogger("framework.trainer")  # the name run.log and the tests know these lines by
 
@@ -57,6 +59,9 @@ def describe_setup(
         tensorboard.log_custom_scalars(layout(charts))
         if hparams:
             tensorboard.log_hparams(hparams, HPARAM_METRICS)
+    if not dry_run and not cfg.trainer.fast_dev_run:  # runs that keep nothing are tracked nowhere
+        resume_step = tensorboard.purge_step - 1 if tensorboard.purge_step is not None else None
+        tensorboard.trackers = Trackers.open(cfg, run_dir, resume_step)
     if model_summary is not None:
         log.info("Model:\n%s", model_summary)
         for name, points in plan.items():

@@ -1,0 +1,209 @@
+"""The trackers a run logs to beside TensorBoard (the `logger` group's `csv`, `mlflow` and `wandb` options): one
+interface, `Tracker`, and `Trackers`, which hands every tracker what TensorBoard gets and keeps a failing one from
+ending the run.
+
+What every tracker receives: each scalar, at the step TensorBoard gets it; the flattened config as params; the
+composed config (and, once the app has written it, provenance.json) as artifacts; tags naming the run directory.
+Only rank 0 opens trackers (`setup_report.describe_setup` runs there only): the other ranks' `TensorBoardLogger`
+holds none, so no tracker branches on rank.
+
+A tracker is not allowed to end a run: its first error (a store that fails, a full disk, a server gone) is one
+warning, and that tracker is closed and left out for the rest of the run; the others and the checkpoints go on, and
+`trackers.json` in the run directory names it (the app copies it into summary.json's `loggers_failed`). The same
+file keeps what a resumed run needs to continue the same tracker run (MLflow's run ID).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Protocol, cast
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+RECORD = "trackers.json"  # in the run directory: each tracker's run ID, and which trackers failed
+# The config's backends that need a package of their own, and the package (the `trackers` extra installs them).
+PACKAGES = {"mlflow": "mlflow", "wandb": "wandb"}
+
+
+@dataclass
+class TrackedRun:
+    """What every tracker is told of the run it logs. `resume_step`: the checkpoint's step a resumed run continues
+    from (None: a fresh run); what was logged after it belongs to the run that was killed."""
+
+    run_dir: Path
+    name: str  # the experiment's name (the config's `name`)
+    config: dict[str, Any]  # the composed config, resolved
+    resume_step: Optional[int] = None
+    tags: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def params(self) -> dict[str, str]:
+        return flatten(self.config)
+
+    def composed_yaml(self) -> str:
+        return OmegaConf.to_yaml(OmegaConf.create(self.config))
+
+    def record(self) -> dict[str, Any]:
+        path = self.run_dir / RECORD
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def remember(self, key: str, value: Any) -> None:
+        """One entry of trackers.json, written atomically (imported here: loggers.py imports this module)."""
+        from framework.loggers import write_json
+
+        write_json(self.run_dir / RECORD, {**self.record(), key: value})
+
+
+class Tracker(Protocol):
+    """One backend. Its methods may raise: `Trackers` turns an error into a warning and leaves the tracker out."""
+
+    name: str
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """`{"optimizer": {"lr": 0.1}}` as `{"optimizer.lr": "0.1"}`: the params a tracker's comparison view shows."""
+    flat: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return flat
+
+
+class CsvTracker:
+    """`metrics.csv` in the run directory, one row per scalar: `step,name,value` (a new metric needs no new
+    column, so the file is only ever appended to). On resume it is first rewritten up to the checkpoint's step."""
+
+    name = "csv"
+
+    def __init__(self, run: TrackedRun, filename: str) -> None:
+        self.path = run.run_dir / filename
+        if run.resume_step is not None and self.path.is_file():
+            self._keep_up_to(run.resume_step)
+            self._file = open(self.path, "a", newline="")
+            self._rows = csv.writer(self._file)
+        else:
+            self._file = open(self.path, "w", newline="")
+            self._rows = csv.writer(self._file)
+            self._rows.writerow(("step", "name", "value"))
+
+    def _keep_up_to(self, step: int) -> None:
+        with open(self.path, newline="") as f:
+            rows = list(csv.reader(f))
+        kept = rows[:1] + [row for row in rows[1:] if len(row) == 3 and row[0].isdigit() and int(row[0]) <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", newline="") as f:
+            csv.writer(f).writerows(kept)
+        os.replace(tmp, self.path)  # atomic: a crash leaves the old file or the new one
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        self._rows.writerows((step, name, value) for name, value in metrics.items())
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _open_csv(run: TrackedRun, settings: DictConfig) -> Tracker:
+    return CsvTracker(run, settings.filename)
+
+
+def _open_mlflow(run: TrackedRun, settings: DictConfig) -> Tracker:
+    from framework.tracker_mlflow import MlflowTracker  # mlflow is imported only by a run that chose it
+
+    return MlflowTracker(run, settings)
+
+
+OPENERS: dict[str, Callable[[TrackedRun, DictConfig], Tracker]] = {"csv": _open_csv, "mlflow": _open_mlflow}
+
+
+class Trackers:
+    """Every tracker the config chose, behind the calls TensorBoardLogger makes; a failing one is left out."""
+
+    def __init__(self, run: Optional[TrackedRun] = None, trackers: Optional[list[Tracker]] = None) -> None:
+        self.run, self.active = run, list(trackers or [])
+        self.failed: dict[str, str] = {}
+
+    @classmethod
+    def open(cls, cfg: DictConfig, run_dir: Path, resume_step: Optional[int]) -> Trackers:
+        """The trackers `cfg.logger` chooses (a null or absent node is off), for a run in `run_dir`."""
+        container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        run = TrackedRun(
+            run_dir=run_dir,
+            name=str(cfg.get("name") or run_dir.name),
+            config={str(k): v for k, v in cast(dict, container).items()},
+            resume_step=resume_step,
+            tags={"run_dir": str(run_dir.resolve()), "run": run_dir.name},
+        )
+        trackers = cls(run)
+        for name, opener in OPENERS.items():
+            settings = cfg.logger.get(name)
+            if settings is None:
+                continue
+            try:
+                trackers.active.append(opener(run, settings))
+            except Exception as err:  # noqa: BLE001  (a tracker is not allowed to stop the run)
+                trackers._failed(name, err, "could not start")
+        return trackers
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        for tracker in self.active:
+            try:
+                tracker.log_metrics(metrics, step)
+            except Exception as err:  # noqa: BLE001
+                self._drop(tracker, err, f"failed at step {step}")
+
+    def flush(self) -> None:
+        for tracker in self.active:
+            try:
+                tracker.flush()
+            except Exception as err:  # noqa: BLE001
+                self._drop(tracker, err, "failed to flush")
+
+    def close(self) -> None:
+        for tracker in list(self.active):
+            try:
+                tracker.close()
+            except Exception as err:  # noqa: BLE001
+                self._drop(tracker, err, "failed to close")
+        self.active.clear()
+
+    def _drop(self, tracker: Tracker, err: Exception, what: str) -> None:
+        self.active = [t for t in self.active if t is not tracker]  # a new list: a loop over the old one goes on
+        self._failed(tracker.name, err, what)
+        try:
+            tracker.close()
+        except Exception:  # noqa: BLE001  (its error is already reported)
+            pass
+
+    def _failed(self, name: str, err: Exception, what: str) -> None:
+        reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        log.warning(
+            "logger.%s %s (%s); it is off for the rest of this run, the other loggers and the checkpoints go on",
+            name,
+            what,
+            reason,
+        )
+        self.failed[name] = reason
+        if self.run is not None:
+            try:
+                self.run.remember("failed", self.failed)
+            except OSError as write_err:  # the disk that failed the tracker may fail this too
+                log.warning("could not record it in %s: %s", RECORD, write_err)

@@ -1,0 +1,191 @@
+"""framework/trackers.py and framework/tracker_mlflow.py: the `logger` group's backends beside TensorBoard.
+
+Runs train in this process (as tests/test_checkpoint.py's do); what was logged is read back with each backend's own
+reader: TensorBoard's EventAccumulator, the csv module, and `mlflow.MlflowClient` against a real SQLite store.
+Nothing reaches the network: every MLflow store here is a SQLite file in the test's directory. A test that uses
+MLflow is in the e2e tier although it trains in this process: importing mlflow runs `uname -p` (platform.processor)."""
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import read_scalars
+from framework.trackers import CsvTracker, TrackedRun, Trackers
+
+pytestmark = pytest.mark.unit
+
+# Two epochs of 3 steps, a val/acc point each epoch and a log point each step.
+SMALL = ("logger.progress_bar=false", "trainer.max_epochs=2", "trainer.limit_train_batches=3",
+         "trainer.log_every_n_steps=1", "trainer.test=false")
+
+
+def train(compose, run_dir: Path, *overrides: str, resume_from: Path | None = None) -> dict:
+    from framework.checkpoint import open_checkpoint
+    from framework.trainer import Trainer
+
+    checkpoint = open_checkpoint(resume_from) if resume_from is not None else None
+    return Trainer(compose(*SMALL, *overrides), run_dir, resume_from=checkpoint).fit()
+
+
+def read_csv(path: Path) -> dict[str, list[tuple[int, float]]]:
+    series: dict[str, list[tuple[int, float]]] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            series.setdefault(row["name"], []).append((int(row["step"]), float(row["value"])))
+    return series
+
+
+def mlflow_series(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    from mlflow import MlflowClient
+
+    return sorted((m.step, m.value) for m in MlflowClient(tracking_uri=uri).get_metric_history(run_id, key))
+
+
+@pytest.fixture(scope="module")
+def empty_store(tmp_path_factory) -> Path:
+    """An MLflow SQLite store with its tables made, once: creating them takes MLflow ~7 s, copying the file none."""
+    from mlflow import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def store(empty_store, tmp_path) -> str:
+    """This test's own MLflow store (a copy of the empty one)."""
+    (tmp_path / "store").mkdir()
+    shutil.copy(empty_store, tmp_path / "store" / "mlflow.db")
+    return f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+
+
+def as_float32(series: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """TensorBoard keeps float32: the same series, as TensorBoard holds it."""
+    return [(step, float(np.float32(value))) for step, value in series]
+
+
+# ---------------------------------------------------------------------------------------------- config
+def test_the_default_is_tensorboard_alone_and_a_list_chooses_several(compose):
+    default = compose().logger
+    assert default.tensorboard and default.csv is None and default.mlflow is None
+    several = compose("logger=[tensorboard,csv,mlflow]", "logger.mlflow.tracking_uri=sqlite:///x.db").logger
+    assert several.tensorboard and several.csv.filename == "metrics.csv"
+    assert several.mlflow.tracking_uri == "sqlite:///x.db"
+    assert compose("logger=many").logger.mlflow is not None
+    alone = compose("logger=csv").logger
+    assert not alone.tensorboard and alone.csv is not None and alone.progress_bar  # shared keys stay
+
+
+# ---------------------------------------------------------------------------------------------- one run, three stores
+@pytest.mark.e2e
+def test_tensorboard_csv_and_mlflow_hold_the_same_series(compose, tmp_path, store):
+    from mlflow import MlflowClient
+
+    run_dir, uri = tmp_path / "run", store
+    summary = train(compose, run_dir, "logger=[tensorboard,csv,mlflow]", f"logger.mlflow.tracking_uri={uri}")
+    events, rows = read_scalars(run_dir), read_csv(run_dir / "metrics.csv")
+    record = json.loads((run_dir / "trackers.json").read_text())
+    run_id = record["mlflow"]["run_id"]
+    assert "failed" not in record
+    for key in ("val/acc", "val/loss", "train/loss", "lr/default", "perf/step_ms", "best/val/acc"):
+        assert rows[key] == mlflow_series(uri, run_id, key) and as_float32(rows[key]) == events[key], key
+    assert [step for step, _ in rows["val/acc"]] == [3, 6] and rows["val/acc"][-1][1] == summary["val/acc"]
+    run = MlflowClient(tracking_uri=uri).get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "run"
+    assert run.data.params["optimizer.lr"] == str(compose().optimizer.lr)
+    assert run.data.tags["run_dir"] == str(run_dir.resolve())
+    artifacts = {a.path for a in MlflowClient(tracking_uri=uri).list_artifacts(run_id)}
+    assert "config.yaml" in artifacts
+
+
+def test_csv_alone_runs_without_tensorboard_files(compose, tmp_path):
+    train(compose, tmp_path, "logger=csv")
+    assert not list(tmp_path.glob("events.out.tfevents.*"))
+    assert [step for step, _ in read_csv(tmp_path / "metrics.csv")["val/acc"]] == [3, 6]
+
+
+# ---------------------------------------------------------------------------------------------- resume
+@pytest.mark.e2e
+def test_a_resume_continues_the_same_mlflow_run_with_one_point_per_step(compose, tmp_path, store):
+    """Trained to step 6 with a checkpoint at each epoch, then resumed from step 3's: what was logged after step 3
+    is what the killed run had sent. The MLflow run is the same one, with one point per step; metrics.csv was cut
+    back to step 3 before the resumed run appended to it."""
+    run_dir, uri = tmp_path / "run", store
+    chosen = ("logger=[tensorboard,csv,mlflow]", f"logger.mlflow.tracking_uri={uri}",
+              "checkpoint.every_n_epochs=1", "checkpoint.keep_last=-1")
+    train(compose, run_dir, *chosen)
+    first = json.loads((run_dir / "trackers.json").read_text())["mlflow"]["run_id"]
+    before = mlflow_series(uri, first, "train/loss")
+    train(compose, run_dir, *chosen, resume_from=run_dir / "checkpoints" / "step-3")
+    assert json.loads((run_dir / "trackers.json").read_text())["mlflow"]["run_id"] == first
+    after = mlflow_series(uri, first, "train/loss")
+    assert [step for step, _ in after] == [1, 2, 3, 4, 5, 6] and after == before
+    rows = read_csv(run_dir / "metrics.csv")
+    assert [step for step, _ in rows["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    assert as_float32(rows["train/loss"]) == read_scalars(run_dir)["train/loss"]
+
+
+def test_csv_is_cut_back_to_the_checkpoint_step_on_resume(tmp_path):
+    run = TrackedRun(tmp_path, "x", {})
+    fresh = CsvTracker(run, "metrics.csv")
+    for step in range(1, 6):
+        fresh.log_metrics({"a": step / 10, "b": step}, step)
+    fresh.close()
+    resumed = CsvTracker(TrackedRun(tmp_path, "x", {}, resume_step=2), "metrics.csv")
+    resumed.log_metrics({"a": 0.75}, 3)
+    resumed.close()
+    assert read_csv(tmp_path / "metrics.csv") == {"a": [(1, 0.1), (2, 0.2), (3, 0.75)], "b": [(1, 1.0), (2, 2.0)]}
+
+
+# ---------------------------------------------------------------------------------------------- failures
+class Broken:
+    """A backend whose store fails at its second logging call (a disk that filled, a server that went away)."""
+
+    name = "broken"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def log_metrics(self, metrics, step) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            raise OSError(28, "No space left on device")
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_failing_tracker_is_warned_of_once_then_left_out(tmp_path, caplog):
+    broken, kept = Broken(), CsvTracker(TrackedRun(tmp_path, "x", {}), "metrics.csv")
+    trackers = Trackers(TrackedRun(tmp_path, "x", {}), [broken, kept])
+    for step in range(1, 5):
+        trackers.log_metrics({"a": float(step)}, step)
+    trackers.close()
+    assert broken.calls == 2  # never called again after its failure
+    assert [step for step, _ in read_csv(tmp_path / "metrics.csv")["a"]] == [1, 2, 3, 4]  # the other went on
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "logger.broken failed at step 2" in warnings[0], warnings
+    assert "No space left on device" in warnings[0]
+    assert json.loads((tmp_path / "trackers.json").read_text())["failed"] == {
+        "broken": "OSError: [Errno 28] No space left on device"
+    }
+
+
+@pytest.mark.e2e
+def test_an_mlflow_store_that_cannot_be_opened_does_not_stop_the_run(compose, tmp_path, caplog):
+    blocker = tmp_path / "not_a_directory"
+    blocker.write_text("a file where the store's folder would be")
+    run_dir = tmp_path / "run"
+    summary = train(compose, run_dir, "logger=[tensorboard,mlflow]",
+                    f"logger.mlflow.tracking_uri=sqlite:///{blocker / 'mlflow.db'}")
+    assert summary["status"] == "ok" and (run_dir / "checkpoints").is_dir()
+    assert "mlflow" in json.loads((run_dir / "trackers.json").read_text())["failed"]
+    assert [r.getMessage() for r in caplog.records if "logger.mlflow" in r.getMessage()]
