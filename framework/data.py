@@ -197,9 +197,11 @@ class DataModule:
             loader_options=self.loader_options,
         )
 
-    def skipped(self) -> int:
-        """Bad samples skipped so far by this rank (data.skip_corrupt): found while indexing, then while reading."""
-        return sum(s.skipped + getattr(s.dataset, "bad", 0) for s in self.streams.values())
+    def skipped(self) -> tuple[int, dict[str, set[int]]]:
+        """Bad samples skipped (data.skip_corrupt): how many indexing found (the same on every rank), and the
+        storage positions of those found while reading on this rank, by split."""
+        indexed = sum(getattr(s.dataset, "bad", 0) for s in self.streams.values())
+        return indexed, {split: s.bad for split, s in self.streams.items()}
 
     def _data_loader(self, split: str, sampler: EpochSampler) -> DataLoader:
         train = split == "train"

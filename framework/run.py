@@ -319,5 +319,7 @@ class Run:
             tested=self.tested or None,
         )
         if self.data.skip_corrupt:  # a collective: every rank makes the summary
-            summary["data_skipped"] = sum(self.strategy.gather_objects(self.data.skipped()))
+            indexed, read = self.data.skipped()
+            every = self.strategy.gather_objects(read)  # a sample is read by another rank in another epoch
+            summary["data_skipped"] = indexed + sum(len(set().union(*(r[split] for r in every))) for split in read)
         return summary

@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from framework.errors import ConfigError
-from framework.streaming import expand_braces
+from framework.streaming import Bad, expand_braces
 
 log = logging.getLogger(__name__)
 
@@ -97,18 +97,21 @@ class TarShards(IterableDataset):
             label = files.get("cls")
             if image is None or label is None:
                 lacks = ".cls label" if label is None else ".png/.jpg image"
-                self._bad(f"{self.key}: sample key {base!r} in shard {path} has no {lacks}")
+                log.warning(
+                    "%s: skipped (data.skip_corrupt=true)",
+                    self._bad(f"{self.key}: sample key {base!r} in shard {path} has no {lacks}").message,
+                )
+                self.bad += 1
                 continue
             found.append(Sample(number, base, image, label))
         return found
 
-    def _bad(self, problem: str, indexing: bool = True) -> None:
-        """Raise, or warn and go on (skip_corrupt). Samples skipped while reading are counted by whoever reads
-        (framework.streaming), which may be a worker process."""
+    def _bad(self, problem: str) -> Bad:
+        """Raise, or (skip_corrupt) go on; a bad sample found when indexing is warned of and counted here, one found
+        when reading by the stream (framework.streaming), since a worker process may read it."""
         if not self.skip_corrupt:
             raise ConfigError(f"{problem}; expected an image and a label per key, or data.skip_corrupt=true")
-        log.warning("%s: skipped (data.skip_corrupt=true)", problem)
-        self.bad += indexing
+        return Bad(problem)
 
     def shard_sizes(self) -> list[int]:
         return list(self.sizes)
@@ -126,7 +129,7 @@ class TarShards(IterableDataset):
         return f.read(where[1])
 
     def decode(self, position: int) -> Any:
-        """The sample at a storage position, or None if it is bad and skipped."""
+        """The sample at a storage position, or a `Bad` if it cannot be decoded and skip_corrupt is on."""
         from PIL import Image
 
         s = self.samples[position]
@@ -135,10 +138,9 @@ class TarShards(IterableDataset):
             with Image.open(io.BytesIO(self._bytes(s.shard, s.image))) as img:
                 array = np.asarray(img)
         except (ValueError, OSError) as err:
-            self._bad(
-                f"{self.key}: sample key {s.key!r} in shard {self.paths[s.shard]} cannot be decoded ({err})", False
+            return self._bad(
+                f"{self.key}: sample key {s.key!r} in shard {self.paths[s.shard]} cannot be decoded ({err})"
             )
-            return None
         image = torch.from_numpy(array.copy()).float().div_(255.0)
         image = image.unsqueeze(0) if image.ndim == 2 else image.permute(2, 0, 1)
         return (self.transform(image) if self.transform is not None else image), label
@@ -152,7 +154,7 @@ class TarShards(IterableDataset):
         """Every sample in storage order (the framework reads by `read`; this is for use on its own)."""
         for position in range(len(self.samples)):
             sample = self.decode(position)
-            if sample is not None:
+            if not isinstance(sample, Bad):
                 yield sample
 
     def __getstate__(self) -> dict[str, Any]:  # open files stay in the process that opened them

@@ -98,6 +98,14 @@ def stream_size(dataset: IterableDataset, split: str) -> list[int]:
     return [count]
 
 
+class Bad:
+    """What a source's `read` gives for a bad sample it skips (data.skip_corrupt): why. The stream warns once per
+    sample and counts it, whichever process read it and however many epochs meet it."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
 class Failed:
     """A worker's report of bad input, raised in the main process as one `Error:` line (a worker's own exception
     would arrive wrapped in its traceback)."""
@@ -141,8 +149,8 @@ _END = object()
 
 class EpochBatches(Dataset):
     """Batch `(epoch, b)` of one rank's plan, read and collated where it is asked for (a DataLoader worker, or
-    the main process): `(batch, bad samples skipped)`, or a `Failed`. Any worker can make any batch, so the
-    order does not depend on the number of workers, and persistent workers follow the epochs."""
+    the main process): `(batch, [(position, why) of each bad sample skipped])`, or a `Failed`. Any worker can make
+    any batch, so the order does not depend on the number of workers, and persistent workers follow the epochs."""
 
     def __init__(self, stream: "Stream") -> None:
         self.stream = stream
@@ -168,10 +176,10 @@ class EpochBatches(Dataset):
                 samples = self._scanner.read(positions, s.floor(first))
         except ConfigError as err:
             return Failed(str(err))
-        kept = [x for x in samples if x is not None]  # None: a bad sample skipped (data.skip_corrupt)
+        kept = [x for x in samples if not isinstance(x, Bad)]
         if not kept:
             return Failed(f"data.{s.split}: every sample of batch {b} of epoch {epoch} is bad; expected readable data")
-        return s.collate(kept), len(samples) - len(kept)
+        return s.collate(kept), [(p, x.message) for p, x in zip(positions, samples) if isinstance(x, Bad)]
 
 
 class Stream:
@@ -206,7 +214,7 @@ class Stream:
         self.block = rank_block(self.samples, rank, world_size, self.equal)
         n = self.block[1] - self.block[0]
         self.batches_n = n // batch_size if drop_last else -(-n // batch_size)
-        self.skipped = 0  # bad samples skipped (data.skip_corrupt) in the batches served so far
+        self.bad: set[int] = set()  # storage positions of the bad samples skipped so far (data.skip_corrupt)
         self.left_out = self.samples - n * world_size if self.equal else 0
         if self.left_out and rank == 0:
             log.info(
@@ -248,8 +256,11 @@ class Stream:
         for made in self._loader:
             if isinstance(made, Failed):
                 raise ConfigError(made.message)
-            batch, skipped = made
-            self.skipped += skipped
+            batch, bad = made
+            for position, why in bad:
+                if position not in self.bad:
+                    self.bad.add(position)
+                    log.warning("%s: skipped (data.skip_corrupt=true)", why)
             yield batch
 
     def close(self) -> None:
@@ -263,7 +274,7 @@ class Stream:
 class StreamState:
     """The streams as registered resumable state. Their position is the loop's (epoch, batch_in_epoch), which the
     plan turns into samples; what is saved here is what that needs to hold (each split's size and the world size
-    of the plan) and the count of bad samples skipped so far. A resume mid-epoch is refused if the data changed,
+    of the plan) and the bad samples skipped so far. A resume mid-epoch is refused if the data changed,
     or the world size did (the remaining samples would need another plan)."""
 
     def __init__(self, streams: dict[str, Stream], batch_in_epoch: Callable[[], int]) -> None:
@@ -274,7 +285,7 @@ class StreamState:
             split: {
                 "samples": s.samples,
                 "world_size": s.world_size,
-                "skipped": s.skipped,
+                "bad": sorted(s.bad),
                 "batch_in_epoch": self.batch_in_epoch() if split == "train" else 0,
             }
             for split, s in self.streams.items()
@@ -299,4 +310,4 @@ class StreamState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for split, s in self.streams.items():
-            s.skipped = int(state.get(split, {}).get("skipped", 0))
+            s.bad = set(state.get(split, {}).get("bad", []))

@@ -6,6 +6,7 @@ resumed with none (the rest of the epoch is every sample not yet consumed, each 
 2-rank DDP (gloo) with workers."""
 from __future__ import annotations
 
+import json
 import random
 import re
 import signal
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import KILLHOOK, assert_identical, final_state, on_pythonpath, output, run_cli
+from conftest import KILLHOOK, assert_identical, final_state, on_pythonpath, one_error_line, output, run_cli
 from framework.zoo.shards import png, write_tar
 
 pytestmark = pytest.mark.e2e
@@ -143,3 +144,18 @@ def test_two_ddp_ranks_with_workers_killed_and_resumed_train_on_the_same_ids_and
     assert re.search(r"Resumed from \S+ at step [1-9]", output(resumed))
     assert digest(tmp_path / "ids-killed") == found, f"kill_at={kill_at}"
     assert_identical(final_state(whole), final_state(killed))
+
+
+def test_an_undecodable_sample_read_by_a_worker_is_one_error_line_or_skipped_and_counted(tmp_path, shards):
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    good = png(np.array([[0, 1]], dtype=np.uint8))
+    write_tar(folder / "bad-000000.tar", [(f"{i:05d}", {"png": good if i != 13 else b"garbage", "cls": b"1"})
+                                          for i in range(40)])
+    args = overrides(shards, tmp_path / "ids", "trainer.max_epochs=1")
+    args = (*args, f"data.train_shards='{folder}/bad-{{000000..000000}}.tar'", "data.shuffle=false")
+    proc = run_cli(tmp_path / "fails", *args, fast=False, env={"PYTHONPATH": on_pythonpath(shards[2])}, timeout=120)
+    assert f"sample key '00013' in shard {folder}/bad-000000.tar cannot be decoded" in one_error_line(proc)
+    proc = run(tmp_path / "skips", (*args, "data.skip_corrupt=true"), shards)
+    assert output(proc).count("cannot be decoded") == 1  # one warning
+    assert json.loads((tmp_path / "skips" / "summary.json").read_text())["data_skipped"] == 1
