@@ -276,7 +276,11 @@ class DataModule:
         if tensors is not None and self.loader_options["num_workers"] == 0 and self.collate_fn is None:
             for start in range(0, len(order), size):
                 rows = order[start : start + size]
-                yield rows, tuple(t.index_select(0, rows.to(t.device)) for t in tensors)
+                first, last = int(rows[0]), int(rows[-1])
+                if last - first + 1 == len(rows):  # consecutive (one rank, nothing skipped): views, as x[i:j]
+                    yield rows, tuple(t[first : last + 1] for t in tensors)
+                else:
+                    yield rows, tuple(t.index_select(0, rows.to(t.device)) for t in tensors)
             return
         loader = DataLoader(
             Subset(dataset, indices),
