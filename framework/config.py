@@ -418,6 +418,7 @@ DATA_COUNTS = (
     ("num_workers", 0, False),
     ("prefetch_factor", 1, True),
     ("num_classes", 1, True),
+    ("shuffle_buffer", 1, False),  # a streaming split's shuffle window (framework/streaming.py)
 )
 
 

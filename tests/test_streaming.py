@@ -194,3 +194,13 @@ def test_a_token_stream_is_windows_within_members_written_once_from_the_stdlib(t
     data = stdlib_bytes()
     first = next(iter(val))
     assert bytes(first.tolist()) == data[int(len(data) * 0.95):][:65]
+
+
+def test_the_webdataset_preset_composes_and_a_shuffle_buffer_below_one_is_refused(compose):
+    from framework import config
+
+    cfg = compose("data=webdataset", "data.train_shards='d/train-{000000..000009}.tar'")
+    assert cfg.data.train.shards == "d/train-{000000..000009}.tar" and cfg.data.val.shards is None
+    config.validate(cfg)
+    with pytest.raises(ConfigError, match=r"data.shuffle_buffer=0.*>= 1"):
+        config.validate(compose("data=webdataset", "data.train_shards=x", "data.shuffle_buffer=0"))
