@@ -1,7 +1,8 @@
 """WebDataset-format tar shards, read with the standard library's `tarfile`.
 
 A sample is the group of consecutive files in a shard that share a key (the file name up to its first dot):
-an image (`KEY.png` or `KEY.jpg`) and its label (`KEY.cls`, a decimal class number). Shards are named by a
+an image (`KEY.png` or `KEY.jpg`) or an array (`KEY.npy`, any shape, as it was saved) and its label (`KEY.cls`,
+a decimal class number). Shards are named by a
 brace pattern, `DIR/train-{000000..000009}.tar`.
 
 Why our own reader rather than the `webdataset` package: the planned order of `framework.streaming` needs random
@@ -31,15 +32,16 @@ from framework.streaming import Bad, expand_braces
 
 log = logging.getLogger(__name__)
 
-IMAGE_EXTS = ("png", "jpg", "jpeg")
+INPUT_EXTS = ("png", "jpg", "jpeg", "npy")
 
 
 @dataclass
 class Sample:
     shard: int
     key: str
-    image: tuple[int, int]  # (offset, size) of the image's bytes in the shard
+    image: tuple[int, int]  # (offset, size) of the input's bytes in the shard
     label: tuple[int, int]
+    array: bool  # the input is a .npy array, not an image
 
 
 def shard_paths(pattern: Union[str, Sequence[str]], key: str) -> list[Path]:
@@ -63,9 +65,9 @@ def shard_paths(pattern: Union[str, Sequence[str]], key: str) -> list[Path]:
 
 
 class TarShards(IterableDataset):
-    """Image classification samples `(image, label)` from WebDataset tar shards; `image` is a float tensor in
-    [0, 1], C x H x W (then `transform`, if given), `label` an int. `key` names the config key in errors;
-    `skip_corrupt` skips a bad sample (no label, no image, an undecodable one) with one warning each."""
+    """Classification samples `(input, label)` from WebDataset tar shards: an image is a float tensor in [0, 1],
+    C x H x W (then `transform`, if given), an .npy array a tensor as saved; `label` is an int. `key` names the
+    config key in errors; `skip_corrupt` skips a bad sample (no label, no input, an undecodable one)."""
 
     def __init__(
         self,
@@ -93,17 +95,18 @@ class TarShards(IterableDataset):
             groups.setdefault(base, {})[ext] = (offset, size)
         found = []
         for base, files in groups.items():
-            image = next((files[e] for e in IMAGE_EXTS if e in files), None)
+            kind = next((e for e in INPUT_EXTS if e in files), None)
+            image = files[kind] if kind is not None else None
             label = files.get("cls")
             if image is None or label is None:
-                lacks = ".cls label" if label is None else ".png/.jpg image"
+                lacks = ".cls label" if label is None else ".png/.jpg image or .npy array"
                 log.warning(
                     "%s: skipped (data.skip_corrupt=true)",
                     self._bad(f"{self.key}: sample key {base!r} in shard {path} has no {lacks}").message,
                 )
                 self.bad += 1
                 continue
-            found.append(Sample(number, base, image, label))
+            found.append(Sample(number, base, image, label, kind == "npy"))
         return found
 
     def _bad(self, problem: str) -> Bad:
@@ -135,6 +138,8 @@ class TarShards(IterableDataset):
         s = self.samples[position]
         try:
             label = int(self._bytes(s.shard, s.label).decode().strip())
+            if s.array:
+                return torch.from_numpy(np.load(io.BytesIO(self._bytes(s.shard, s.image)))), label
             with Image.open(io.BytesIO(self._bytes(s.shard, s.image))) as img:
                 array = np.asarray(img)
         except (ValueError, OSError) as err:

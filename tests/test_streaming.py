@@ -177,6 +177,11 @@ def test_shards_give_images_and_labels_in_storage_order_on_their_own(tmp_path):
     with tarfile.open(tmp_path / "train-000000.tar") as tar:  # what was written is WebDataset's layout
         assert tar.getnames() == ["k00000.png", "k00000.cls", "k00001.png", "k00001.cls"]
     assert io.BytesIO(tar_shards(None) or b"").read() == b""  # a split without shards is off
+    array = io.BytesIO()
+    np.save(array, np.arange(6, dtype=np.float32).reshape(2, 3))
+    write_tar(tmp_path / "n-000000.tar", [("a", {"npy": array.getvalue(), "cls": b"4"})])
+    x, label = next(iter(TarShards(f"{tmp_path}/n-{{000000..000000}}.tar")))  # an array comes as it was saved
+    assert x.tolist() == [[0, 1, 2], [3, 4, 5]] and x.dtype == torch.float32 and label == 4
 
 
 def test_a_token_stream_is_windows_within_members_written_once_from_the_stdlib(tmp_path):
