@@ -18,7 +18,7 @@ every one computes per sample the class (argmax, int64) and the softmax probabil
 - framework    `framework.trainer.train(cfg, run_dir, checkpoint)` on the config `python run.py predict
                ckpt=RUN_DIR +data.predict=...` settles to (composed from `experiment=bench`, the saved run's own
                experiment, with `stages.evaluation_only` applied as app.py does): the whole stage, from building
-               the run to `predictions.parquet` merged (zstd, fsync'd) and summary.json written;
+               the run to `predictions.parquet` merged (snappy, fsync'd) and summary.json written;
 - handwritten  the same in-memory batches the framework's fast path makes (`x[i:i+128]`), the model under
                `torch.inference_mode()`, outputs collected, then one `pyarrow.parquet.write_table` (pyarrow's
                defaults) of the same columns (index, prediction, probabilities as a list of 10 float32);
