@@ -23,7 +23,7 @@ from hydra.types import RunMode
 from omegaconf import Container, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework import __version__, config, provenance, resume, rundir, sweep
+from framework import __version__, config, provenance, resume, rundir, sweep, trackers
 from framework.errors import ConfigError, Interrupted, UserError, full_error
 from framework.launch import WorkerFailed, spawn
 from framework.loggers import write_json
@@ -407,8 +407,9 @@ def _failed_job(err: BaseException, start: float, started: bool) -> float:
 
 
 def _write_summary(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
-    """summary.json, naming the framework version that wrote it (over the trainer's, after a run)."""
-    summary = {**summary, "framework_version": __version__}
+    """summary.json, naming the framework version that wrote it (over the trainer's, after a run), and the trackers
+    that failed; the trackers get the summary (framework/trackers.py)."""
+    summary = trackers.finish(run_dir, {**summary, "framework_version": __version__})
     write_json(run_dir / "summary.json", summary)
     return summary
 

@@ -371,8 +371,11 @@ class MetricLogger:
 
     # -------------------------------------------------------------------------------- what is written
     def write(self, metrics: dict[str, float], step: int) -> None:
-        """To TensorBoard (but what the task logged with logger=False) and the run's metrics."""
+        """To TensorBoard and the trackers (but what the task logged with logger=False) and the run's metrics.
+        Flushed: an evaluation's metrics are in every store before the checkpoint that follows it is saved, so a
+        run killed after that checkpoint lost none of them (framework/trackers.py)."""
         self.tensorboard.log_metrics({k: v for k, v in metrics.items() if k not in self.hidden}, step)
+        self.tensorboard.flush()
         self.metrics.update(metrics)
 
     def flush(self, step: int, extras: dict[str, float]) -> None:

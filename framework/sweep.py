@@ -32,7 +32,7 @@ from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from framework import signals
+from framework import signals, trackers
 from framework.config import check_closed_keys
 from framework.errors import ConfigError
 
@@ -370,7 +370,7 @@ def discard_unused() -> None:
     folder = _SWEEP.get("dir")
     if folder is None or _SWEEP.get("existed") or _SWEEP.get("pid") != os.getpid() or not folder.is_dir():
         return
-    if {p.name for p in folder.iterdir()} <= {"multirun.yaml"}:
+    if {p.name for p in folder.iterdir()} <= {"multirun.yaml", trackers.RECORD}:  # (its MLflow parent's ID)
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -424,6 +424,7 @@ class SweepSummary(Callback):
             HydraConfig.instance().set_config(config)
         self.sweep_dir = Path(config.hydra.sweep.dir)
         _SWEEP.update(pid=os.getpid(), dir=self.sweep_dir, existed=self.sweep_dir.exists(), swept=sweep_keys(config))
+        trackers.open_sweep(config, self.sweep_dir)  # MLflow's parent run of the jobs' runs
         # Every job composes its own config, where `hydra.sweep.dir` would follow the job's `name` (its model and
         # data): `-m model=mlp,cnn` put its jobs in two sweep directories. The value resolved here goes to every
         # job as one of the sweep's hydra overrides, which Hydra applies to each job's composition.
@@ -434,5 +435,7 @@ class SweepSummary(Callback):
                 hydra_overrides.append(fixed)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.sweep_dir is not None:
+            trackers.close_sweep(self.sweep_dir)
         if report(config, self.sweep_dir, _SWEEP.get("swept", ())):
             sys.exit(1)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -22,6 +21,7 @@ from omegaconf import DictConfig
 from framework.trackers import TrackedRun
 
 BATCH = 1000  # MLflow's most metrics in one log_batch (and 100 params)
+FLUSH_S = 10.0  # the longest a point waits to be written (torch's SummaryWriter: flush_secs=10)
 
 
 def _sqlite_path(uri: str) -> Path | None:
@@ -41,7 +41,8 @@ class MlflowTracker:
             database.parent.mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(tracking_uri=uri)
         self.sent: dict[str, int] = {}  # metric -> the last step the store holds (a resumed run's)
-        kept = run.record().get("mlflow", {}) if run.resume_step is not None else {}
+        # A run directory that holds an MLflow run's ID is resumed (from step 0 where no checkpoint was saved).
+        kept = run.record().get("mlflow", {})
         if kept.get("run_id") and kept.get("tracking_uri") == uri:
             self.run_id = kept["run_id"]
             self.client.update_run(self.run_id, status="RUNNING")
@@ -51,20 +52,19 @@ class MlflowTracker:
             run.remember("mlflow", {"run_id": self.run_id, "tracking_uri": uri})
         self.client.log_text(self.run_id, run.composed_yaml(), "config.yaml")
         self.run = run
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-writer")  # one: in order
-        self._pending: list[Future[Any]] = []
+        self._points: list[Any] = []  # logged, not yet written
+        self._flushed_at = time.time()
 
     def _create(self, run: TrackedRun, settings: DictConfig, database: Path | None) -> str:
         from mlflow.entities import Param
 
-        name = str(settings.experiment_name or run.name)
-        experiment = self.client.get_experiment_by_name(name)
-        if experiment is not None:
-            experiment_id = experiment.experiment_id
-        else:
-            where = (database.parent.resolve() / "mlartifacts" / name).as_uri() if database is not None else None
-            experiment_id = self.client.create_experiment(name, artifact_location=where)
         tags = {**run.tags, **{str(k): str(v) for k, v in (settings.tags or {}).items()}}
+        parent = run.sweep_parent("mlflow_parent")
+        if parent and parent.get("tracking_uri") == str(settings.tracking_uri):  # a multirun's job: a child run
+            tags["mlflow.parentRunId"] = parent["run_id"]
+            experiment_id = self.client.get_run(parent["run_id"]).info.experiment_id
+        else:
+            experiment_id = _experiment(self.client, str(settings.experiment_name or run.name), database)
         created = self.client.create_run(experiment_id, run_name=str(settings.run_name or run.run_dir.name), tags=tags)
         run_id = created.info.run_id
         params = [Param(k[:250], v[:6000]) for k, v in run.params.items()]
@@ -81,36 +81,66 @@ class MlflowTracker:
                 self.sent[key] = max(steps)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Handed to the writer thread: a SQLite commit takes tens of milliseconds, which the loop does not wait
-        for. A write that failed is raised here, at the next logging step (and by close)."""
+        """Kept until the next flush (an epoch's end, an evaluation's, or every 10 s as TensorBoard's writer does):
+        one SQLite commit takes tens of milliseconds, too long for every logging step."""
         from mlflow.entities import Metric
 
-        self._raise_failed(wait=False)
-        now = int(time.time() * 1000)
-        sent = self.sent
-        points = [Metric(k, float(v), now, step) for k, v in metrics.items() if sent.get(k, -1) < step]
-        for i in range(0, len(points), BATCH):
-            self._pending.append(self._writer.submit(self.client.log_batch, self.run_id, metrics=points[i : i + BATCH]))
-
-    def _raise_failed(self, wait: bool) -> None:
-        """The first error of the writes handed over so far (all of them, with `wait`; those done, without)."""
-        pending, self._pending = self._pending, []
-        for write in pending:
-            if wait or write.done():
-                write.result()
-            else:
-                self._pending.append(write)
+        now = time.time()
+        sent, stamp = self.sent, int(now * 1000)
+        self._points += [Metric(k, float(v), stamp, step) for k, v in metrics.items() if sent.get(k, -1) < step]
+        if now - self._flushed_at > FLUSH_S:
+            self.flush()
 
     def flush(self) -> None:
-        """An epoch's end: a write that failed is raised; the others finish on their own (close waits for them)."""
-        self._raise_failed(wait=False)
+        points, self._points = self._points, []
+        for i in range(0, len(points), BATCH):
+            self.client.log_batch(self.run_id, metrics=points[i : i + BATCH])
+        self._flushed_at = time.time()
 
     def close(self) -> None:
-        try:
-            self._raise_failed(wait=True)
-            provenance = self.run.run_dir / "provenance.json"
-            if provenance.is_file():  # the app writes it in the background while the run starts
-                self.client.log_artifact(self.run_id, str(provenance))
-            self.client.set_terminated(self.run_id, status="FINISHED")
-        finally:
-            self._writer.shutdown(wait=True, cancel_futures=True)
+        self.flush()
+        provenance = self.run.run_dir / "provenance.json"
+        if provenance.is_file():  # the app writes it in the background while the run starts
+            self.client.log_artifact(self.run_id, str(provenance))
+        self.client.set_terminated(self.run_id, status="FINISHED")
+
+
+def _experiment(client: Any, name: str, database: Path | None) -> str:
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return str(experiment.experiment_id)
+    where = (database.parent.resolve() / "mlartifacts" / name).as_uri() if database is not None else None
+    return str(client.create_experiment(name, artifact_location=where))
+
+
+def open_parent(sweep: TrackedRun, settings: DictConfig) -> dict[str, str]:
+    """A multirun's parent run: its jobs' runs are its children (MLflow's `mlflow.parentRunId` tag)."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    from mlflow import MlflowClient
+
+    uri = str(settings.tracking_uri)
+    database = _sqlite_path(uri)
+    if database is not None:
+        database.parent.mkdir(parents=True, exist_ok=True)
+    client = MlflowClient(tracking_uri=uri)
+    experiment_id = _experiment(client, str(settings.experiment_name or sweep.name), database)
+    parent = client.create_run(experiment_id, run_name=sweep.run_dir.name, tags=sweep.tags)
+    return {"run_id": parent.info.run_id, "tracking_uri": uri}
+
+
+def close_parent(parent: dict[str, str]) -> None:
+    from mlflow import MlflowClient
+
+    MlflowClient(tracking_uri=parent["tracking_uri"]).set_terminated(parent["run_id"], status="FINISHED")
+
+
+def finish_run(kept: dict[str, str], summary: dict[str, Any]) -> None:
+    """The summary (summary.json) and the best checkpoint's path, once the run is over."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=kept["tracking_uri"])
+    client.log_dict(kept["run_id"], summary, "summary.json")
+    if summary.get("status") == "failed":  # a sweep's job that failed (app._failed_job): closed as FINISHED
+        client.set_terminated(kept["run_id"], status="FAILED")
+    if summary.get("best_checkpoint"):
+        client.set_tag(kept["run_id"], "best_checkpoint", str(summary["best_checkpoint"]))

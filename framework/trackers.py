@@ -54,6 +54,11 @@ class TrackedRun:
         path = self.run_dir / RECORD
         return json.loads(path.read_text()) if path.is_file() else {}
 
+    def sweep_parent(self, key: str) -> Optional[dict[str, str]]:
+        """In a multirun, what the sweep opened for its jobs (`open_sweep`, in the sweep directory's record)."""
+        path = self.run_dir.parent / RECORD
+        return json.loads(path.read_text()).get(key) if path.is_file() else None
+
     def remember(self, key: str, value: Any) -> None:
         """One entry of trackers.json, written atomically (imported here: loggers.py imports this module)."""
         from framework.loggers import write_json
@@ -132,6 +137,49 @@ def _open_mlflow(run: TrackedRun, settings: DictConfig) -> Tracker:
 
 
 OPENERS: dict[str, Callable[[TrackedRun, DictConfig], Tracker]] = {"csv": _open_csv, "mlflow": _open_mlflow}
+
+
+def finish(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """After the run, its summary written (the app, rank 0): the summary and the best checkpoint's path go to the
+    tracker runs the run directory names, and the summary gets `loggers_failed`, naming the trackers that failed."""
+    path = run_dir / RECORD
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    mlflow = record.get("mlflow")
+    if mlflow and "mlflow" not in record.get("failed", {}):
+        from framework.tracker_mlflow import finish_run
+
+        try:
+            finish_run(mlflow, summary)
+        except Exception as err:  # noqa: BLE001  (the run is done; its tracker's last call may fail alone)
+            log.warning("logger.mlflow: the summary was not logged (%s: %s)", type(err).__name__, err)
+            record.setdefault("failed", {})["mlflow"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+    return {**summary, "loggers_failed": record["failed"]} if record.get("failed") else summary
+
+
+def open_sweep(cfg: DictConfig, sweep_dir: Path) -> None:
+    """A multirun's own tracker runs, before its jobs: MLflow's parent run, whose children the jobs' runs become."""
+    mlflow = cfg.logger.get("mlflow")
+    if mlflow is not None:
+        from framework.tracker_mlflow import open_parent
+
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        run = TrackedRun(sweep_dir, str(cfg.get("name") or sweep_dir.name), {}, tags={"sweep_dir": str(sweep_dir)})
+        try:
+            run.remember("mlflow_parent", open_parent(run, mlflow))
+        except Exception as err:  # noqa: BLE001  (the jobs run, each its own MLflow run, if this store fails)
+            log.warning("logger.mlflow: no parent run for this sweep (%s: %s)", type(err).__name__, err)
+
+
+def close_sweep(sweep_dir: Path) -> None:
+    path = sweep_dir / RECORD
+    parent = json.loads(path.read_text()).get("mlflow_parent") if path.is_file() else None
+    if parent:
+        from framework.tracker_mlflow import close_parent
+
+        try:
+            close_parent(parent)
+        except Exception as err:  # noqa: BLE001
+            log.warning("logger.mlflow: the sweep's parent run was not closed (%s: %s)", type(err).__name__, err)
 
 
 class Trackers:

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import read_scalars
-from framework.trackers import CsvTracker, TrackedRun, Trackers
+from conftest import KILLHOOK, on_pythonpath, one_error_line, output, read_scalars, run_cli
+from framework.trackers import CsvTracker, TrackedRun, Trackers, finish
 
 pytestmark = pytest.mark.unit
 
@@ -188,4 +188,78 @@ def test_an_mlflow_store_that_cannot_be_opened_does_not_stop_the_run(compose, tm
                     f"logger.mlflow.tracking_uri=sqlite:///{blocker / 'mlflow.db'}")
     assert summary["status"] == "ok" and (run_dir / "checkpoints").is_dir()
     assert "mlflow" in json.loads((run_dir / "trackers.json").read_text())["failed"]
+    assert "mlflow" in finish(run_dir, summary)["loggers_failed"]  # what the app writes into summary.json
     assert [r.getMessage() for r in caplog.records if "logger.mlflow" in r.getMessage()]
+
+
+# ---------------------------------------------------------------------------------------------- run.py
+def hiding_mlflow(folder: Path) -> dict[str, str]:
+    """The environment of a Python without mlflow installed, as a user without the `trackers` extra has: a
+    sitecustomize that marks it absent (`import mlflow` fails, `importlib.util.find_spec` finds nothing)."""
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text('import sys\nsys.modules["mlflow"] = None  # as if not installed\n')
+    return {"PYTHONPATH": on_pythonpath(folder)}
+
+
+@pytest.mark.e2e
+def test_choosing_mlflow_without_it_installed_is_one_error_line_and_no_run_dir(tmp_path):
+    """...and a run that did not choose it never imports it (it succeeds where mlflow cannot be imported)."""
+    env = hiding_mlflow(tmp_path / "site")
+    refused = run_cli(tmp_path / "refused", "logger=[tensorboard,mlflow]", env=env)
+    line = one_error_line(refused)
+    assert line.startswith("Error: logger=mlflow: the mlflow package is not installed"), line
+    assert "pip install 'hydra-torch-framework[trackers]'" in line
+    assert not (tmp_path / "refused").exists()
+    plain = run_cli(tmp_path / "plain", "logger=[tensorboard,csv]", "trainer.max_epochs=1",
+                    "trainer.limit_train_batches=2", env=env)
+    assert plain.returncode == 0, output(plain)
+    assert (tmp_path / "plain" / "metrics.csv").is_file()
+
+
+@pytest.mark.e2e
+def test_run_py_killed_and_resumed_is_one_mlflow_run_with_one_point_per_step(tmp_path, store):
+    """The issue's own commands: three backends from the command line hold the same val/acc; killed by SIGKILL
+    after step 5 (its checkpoint from the epoch that ended at step 3), then `resume=RUN_DIR`: the same MLflow run
+    ID, one point per step."""
+    run_dir = tmp_path / "run"
+    chosen = ("logger=[tensorboard,csv,mlflow]", f"logger.mlflow.tracking_uri={store}", "trainer.max_epochs=2",
+              "trainer.limit_train_batches=3", "trainer.log_every_n_steps=1", "checkpoint.every_n_epochs=1",
+              "checkpoint.async_save=false")  # step 3's checkpoint on disk before step 5, however loaded the machine
+    kill = {"PYTHONPATH": on_pythonpath(KILLHOOK), "KILL_AT_STEP": "5", "KILL_SIGNAL": "SIGKILL",
+            "MLFLOW_DISABLE_TELEMETRY": "true"}
+    killed = run_cli(run_dir, *chosen, env=kill)
+    assert killed.returncode != 0, output(killed)
+    run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]["run_id"]
+    resumed = run_cli(None, f"resume={run_dir}", env={"MLFLOW_DISABLE_TELEMETRY": "true"})
+    assert resumed.returncode == 0, output(resumed)
+    assert json.loads((run_dir / "trackers.json").read_text())["mlflow"]["run_id"] == run_id
+    loss = mlflow_series(store, run_id, "train/loss")
+    assert [step for step, _ in loss] == list(range(1, 7))
+    val = mlflow_series(store, run_id, "val/acc")
+    assert [step for step, _ in val] == [3, 6]
+    assert read_csv(run_dir / "metrics.csv")["val/acc"] == val
+
+
+@pytest.mark.e2e
+def test_a_multirun_is_one_mlflow_parent_run_with_a_child_per_job(tmp_path, store):
+    from mlflow import MlflowClient
+
+    sweep_dir = tmp_path / "sweep"
+    proc = run_cli(None, "-m", "optimizer.lr=0.01,0.1", "logger=[tensorboard,mlflow]",
+                   f"logger.mlflow.tracking_uri={store}", f"hydra.sweep.dir={sweep_dir}", "trainer.max_epochs=1",
+                   "trainer.limit_train_batches=2", "logger.progress_bar=false", fast=False,
+                   env={"MLFLOW_DISABLE_TELEMETRY": "true"})
+    assert proc.returncode == 0, output(proc)
+    client = MlflowClient(tracking_uri=store)
+    parent_id = json.loads((sweep_dir / "trackers.json").read_text())["mlflow_parent"]["run_id"]
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "FINISHED"
+    children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'")
+    assert sorted(run.data.params["optimizer.lr"] for run in children) == ["0.01", "0.1"]
+    for run in children:
+        job = Path(run.data.tags["run_dir"])
+        assert job.parent == sweep_dir.resolve() and run.info.status == "FINISHED"
+        summary = json.loads((job / "summary.json").read_text())
+        assert run.data.tags["best_checkpoint"] == summary["best_checkpoint"]
+        assert run.data.metrics["val/acc"] == summary["val/acc"]
+        assert "summary.json" in {a.path for a in client.list_artifacts(run.info.run_id)}
