@@ -184,7 +184,7 @@ class Run:
         state.register("task", self.task_state, optional=True, check=self.task_state.check_state_dict)
         state.register("callbacks", self.callbacks, check=callbacks_check(self.callbacks), optional=True)
         if self.data.streams:  # their position is the loop's; this holds what it needs (framework/streaming.py)
-            streams = StreamState(self.data.streams, lambda: self.progress.batch_in_epoch)
+            streams = StreamState(self.data.streams, self.progress)
             state.register("data", streams, check=streams.check_state_dict, optional=True)
         rng = RngState(self.strategy)
         state.register("rng", rng, check=rng.check_state_dict)  # last: loading it must follow all the rest

@@ -7,10 +7,12 @@ Each rank takes one contiguous block of that order; in training every rank gets 
 DDP ranks take the same number of steps, and the few left over (fewer than the world size) are left out of that
 epoch, said once in the log. Validation and test take everything, ranks differing by at most one sample.
 
-Batch `b` of a rank's block is made by worker `b % num_workers`; resuming at batch `k`, worker `j` starts at batch
-`k + j`, so the DataLoader's round-robin yields batches `k, k+1, ...` in order. The stream's position is therefore
-the loop's (`Progress.epoch`, `batch_in_epoch`), and the order does not depend on the number of workers: a resume
-with another `num_workers` continues with exactly the samples not yet consumed, each once.
+A DataLoader asks for batches by number, `(epoch, b)`, and any worker can make any of them, so the stream's
+position is the loop's (`Progress.epoch`, `batch_in_epoch`) and the order does not depend on the number of workers:
+a resume with another `num_workers` continues with exactly the samples not yet consumed, each once, in the same
+order. A resume mid-epoch on another number of processes plans the rest of that epoch anew: every sample the old
+ranks had not consumed (their blocks' tails, then what their plan left out), split over the new ranks as above,
+its batches numbered so that the epoch ends where a whole epoch on the new ranks would (`Rest`).
 
 How samples are read depends on the dataset:
 - a source with `shard_sizes()` and `read(indices)` (random access by storage position, such as
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, cast
 
 import torch
@@ -82,6 +85,26 @@ def rank_block(total: int, rank: int, world_size: int, equal: bool) -> tuple[int
     base, extra = divmod(total, world_size)
     start = rank * base + min(rank, extra)
     return start, start + base + (rank < extra)
+
+
+def remaining(order: torch.Tensor, world_size: int, consumed: int) -> torch.Tensor:
+    """What `world_size` ranks with equal blocks of `order` had not consumed after `consumed` samples each: the
+    tail of each rank's block, in rank order, then what their plan left out."""
+    per = len(order) // world_size
+    done = min(consumed, per)
+    tails = [order[r * per + done : (r + 1) * per] for r in range(world_size)]
+    return torch.cat([*tails, order[world_size * per :]])
+
+
+@dataclass
+class Rest:
+    """The rest of `epoch` after mid-epoch resumes on other numbers of processes: for each, (world size, samples
+    each rank had consumed) applied to the epoch's order by `remaining`; the loop's batch numbers of the rest start
+    at `offset`."""
+
+    epoch: int
+    chain: list[tuple[int, int]]
+    offset: int
 
 
 def stream_size(dataset: IterableDataset, split: str) -> list[int]:
@@ -212,27 +235,46 @@ class Stream:
         )
         self.equal = split == "train"  # DDP ranks must take the same number of steps
         self.block = rank_block(self.samples, rank, world_size, self.equal)
-        n = self.block[1] - self.block[0]
-        self.batches_n = n // batch_size if drop_last else -(-n // batch_size)
+        self.batches_n = self._count(self.block[1] - self.block[0])
         self.bad: set[int] = set()  # storage positions of the bad samples skipped so far (data.skip_corrupt)
-        self.left_out = self.samples - n * world_size if self.equal else 0
-        if self.left_out and rank == 0:
+        self.rest: Optional[Rest] = None
+        left_out = self.samples - (self.block[1] - self.block[0]) * world_size if self.equal else 0
+        if left_out and rank == 0:
             log.info(
                 "data.%s: %d of %d samples are left out of each epoch (different ones each epoch when "
                 "shuffled) so that %d ranks take equal steps",
                 split,
-                self.left_out,
+                left_out,
                 self.samples,
                 world_size,
             )
         self._next: tuple[int, int] = (0, 0)  # the epoch and first batch the loader's next pass serves
         self._loader: Optional[DataLoader] = None
 
+    def _count(self, samples: int) -> int:
+        return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
+
     def order(self, epoch: int) -> torch.Tensor:
-        """This rank's storage positions for `epoch`, in order."""
+        """This rank's storage positions for `epoch` (or for the rest of it, after a resume on other ranks)."""
         sizes = self.sizes if self.random_access else [self.samples]  # a scan: the window shuffle alone
         order = epoch_order(sizes, self.seed, epoch, self.shuffle, self.window)
+        if self.rest is not None and self.rest.epoch == epoch:
+            for world_size, consumed in self.rest.chain:
+                order = remaining(order, world_size, consumed)
+            start, stop = rank_block(len(order), self.rank, self.world_size, self.equal)
+            return order[start:stop]
         return order[self.block[0] : self.block[1]]
+
+    def offset(self, epoch: int) -> int:
+        """The loop's number of the first batch of `order(epoch)`."""
+        return self.rest.offset if self.rest is not None and self.rest.epoch == epoch else 0
+
+    def redistribute(self, epoch: int, chain: list[tuple[int, int]]) -> int:
+        """Plan the rest of `epoch` after `chain` (see Rest); returns the loop's batch it starts at."""
+        self.rest = Rest(epoch, chain, 0)
+        n = len(self.order(epoch))
+        self.rest.offset = max(0, self.batches_n - self._count(n))
+        return self.rest.offset
 
     def floor(self, first: int) -> int:
         """The lowest storage position that batches from `first` (in this rank's order) on may need, for a scan."""
@@ -242,7 +284,8 @@ class Stream:
     def __iter__(self) -> Iterator[tuple[int, int]]:
         """The loader's sampler: `(epoch, batch)` from the set start on."""
         epoch, start = self._next
-        return iter([(epoch, b) for b in range(start, self.batches_n)])
+        offset = self.offset(epoch)
+        return iter([(epoch, b) for b in range(start - offset, self.batches_n - offset)])
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[Any]:
         """The batches of `epoch` from batch `start` on; bad input is one ConfigError, raised here."""
@@ -273,23 +316,31 @@ class Stream:
 
 class StreamState:
     """The streams as registered resumable state. Their position is the loop's (epoch, batch_in_epoch), which the
-    plan turns into samples; what is saved here is what that needs to hold (each split's size and the world size
-    of the plan) and the bad samples skipped so far. A resume mid-epoch is refused if the data changed,
-    or the world size did (the remaining samples would need another plan)."""
+    plan turns into samples; saved here is what that needs (each split's size, the world size and batch size of
+    the plan, a redistributed rest of the epoch) and the bad samples skipped so far. A resume on other data is
+    refused; one mid-epoch on another number of processes gets the rest of the epoch redistributed (`Rest`), and
+    sets the loop's batch in the epoch to where that rest starts."""
 
-    def __init__(self, streams: dict[str, Stream], batch_in_epoch: Callable[[], int]) -> None:
-        self.streams, self.batch_in_epoch = streams, batch_in_epoch
+    def __init__(self, streams: dict[str, Stream], progress: Any) -> None:
+        self.streams, self.progress = streams, progress
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            split: {
-                "samples": s.samples,
-                "world_size": s.world_size,
-                "bad": sorted(s.bad),
-                "batch_in_epoch": self.batch_in_epoch() if split == "train" else 0,
-            }
+        state: dict[str, Any] = {
+            split: {"samples": s.samples, "world_size": s.world_size, "bad": sorted(s.bad)}
             for split, s in self.streams.items()
         }
+        train = self.streams.get("train")
+        if train is not None:
+            p, rest = self.progress, train.rest
+            current = rest is not None and rest.epoch == p.epoch
+            state["train"].update(
+                epoch=p.epoch,
+                batch_in_epoch=p.batch_in_epoch,
+                batch_size=train.batch_size,
+                chain=[list(link) for link in rest.chain] if rest is not None and current else [],
+                offset=rest.offset if rest is not None and current else 0,
+            )
+        return state
 
     def check_state_dict(self, saved: Any, where: str) -> None:
         for split, s in self.streams.items():
@@ -301,13 +352,38 @@ class StreamState:
                     f"data.{split}: {s.samples} samples now, {was.get('samples')} when {where.split(':')[0]} was "
                     "saved; expected the same data to resume the same order"
                 )
-            if split == "train" and was.get("world_size") != s.world_size and was.get("batch_in_epoch", 0) > 0:
+            moved = was.get("world_size") != s.world_size and was.get("batch_in_epoch", 0) > 0
+            if split == "train" and moved and not s.random_access:
                 raise ConfigError(
                     f"data.train: {where.split(':')[0]} was saved mid-epoch on {was.get('world_size')} processes, "
-                    f"this run has {s.world_size}; expected the same number to resume a stream mid-epoch (or a "
-                    "checkpoint from an epoch's end)"
+                    f"this run has {s.world_size}, and {type(s.dataset).__name__} is read by a scan; expected the "
+                    "same number (or a checkpoint from an epoch's end, or a source with shard_sizes() and read())"
                 )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for split, s in self.streams.items():
             s.bad = set(state.get(split, {}).get("bad", []))
+        train, saved = self.streams.get("train"), state.get("train", {})
+        if train is None or "epoch" not in saved:
+            return
+        chain = [(int(w), int(c)) for w, c in saved["chain"]]
+        k, offset = saved["batch_in_epoch"], saved["offset"]
+        if saved["world_size"] == train.world_size:
+            if chain:
+                train.rest = Rest(saved["epoch"], chain, offset)
+            return
+        if k == 0:  # an epoch's end: the next one is planned for the new world size
+            return
+        consumed = (k - offset) * saved["batch_size"]
+        self.progress.batch_in_epoch = train.redistribute(saved["epoch"], [*chain, (saved["world_size"], consumed)])
+        if train.rank == 0:
+            log.info(
+                "data.train: saved mid-epoch %d on %d processes, resumed on %d: the rest of the epoch, %d samples a "
+                "process, starts at batch %d of %d",
+                saved["epoch"],
+                saved["world_size"],
+                train.world_size,
+                len(train.order(saved["epoch"])),
+                self.progress.batch_in_epoch,
+                train.batches_n,
+            )

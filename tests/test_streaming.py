@@ -14,6 +14,7 @@ from torch.utils.data import IterableDataset
 
 from framework.data import DataModule
 from framework.errors import ConfigError
+from framework.state import Progress
 from framework.shards import TarShards, TokenShards, tar_shards
 from framework.streaming import StreamState, epoch_order, expand_braces, rank_block
 from framework.zoo.shards import png, write_tar
@@ -114,17 +115,59 @@ def test_a_stream_shorter_than_its_plan_is_one_error():
         list(data.batches("train"))
 
 
-def test_a_resume_refuses_other_data_and_another_world_size_mid_epoch(tmp_path):
+def test_a_resume_refuses_other_data_and_a_scanned_stream_on_another_world_size_mid_epoch(tmp_path):
     data = module(tar_shards(id_shards(tmp_path, [8, 8])))
     data.setup(seed=0)
-    state = StreamState(data.streams, lambda: 3)
+    state = StreamState(data.streams, Progress(batch_in_epoch=3))
     saved = state.state_dict()
     state.check_state_dict(saved, "checkpoint c: data")
     with pytest.raises(ConfigError, match="data.train: 16 samples now, 15 when checkpoint c was saved"):
         state.check_state_dict({"train": {**saved["train"], "samples": 15}}, "checkpoint c: data")
-    with pytest.raises(ConfigError, match="saved mid-epoch on 2 processes, this run has 1"):
+    scanned = module(Counting(16))
+    scanned.setup(seed=0)
+    state = StreamState(scanned.streams, Progress())
+    with pytest.raises(ConfigError, match="saved mid-epoch on 2 processes, this run has 1, and Counting is read by"):
         state.check_state_dict({"train": {**saved["train"], "world_size": 2}}, "checkpoint c: data")
     state.check_state_dict({"train": {**saved["train"], "world_size": 2, "batch_in_epoch": 0}}, "c: data")
+
+
+def consume(pattern: str, world: int, saved: dict | None, batches: int | None, epoch: int = 1):
+    """Each rank of `world` resumed from `saved` (None: the epoch's start), consuming `batches` batches of `epoch`
+    (None: to its end): (ids consumed, the state saved after, the loop's batch each rank stopped at)."""
+    seen, states, stops = [], [], set()
+    for rank in range(world):
+        data = module(tar_shards(pattern), batch_size=3)
+        data.setup(seed=7, rank=rank, world_size=world)
+        progress = Progress(epoch=epoch)
+        state = StreamState(data.streams, progress)
+        if saved is not None:
+            progress.load_state_dict({"epoch": epoch, "batch_in_epoch": saved["train"]["batch_in_epoch"]})
+            state.check_state_dict(saved, "c: data")
+            state.load_state_dict(saved)
+        start = progress.batch_in_epoch
+        got = list(data.batches("train", epoch, start))
+        got = got if batches is None else got[:batches]
+        seen += ids(got)
+        progress.batch_in_epoch = start + len(got)
+        stops.add(progress.batch_in_epoch)
+        states.append(state.state_dict())
+    assert len(stops) == 1  # every rank at the same batch
+    return seen, states[0], stops.pop()
+
+
+def test_a_resume_mid_epoch_on_other_numbers_of_processes_consumes_the_rest_of_the_epoch_each_sample_once(tmp_path):
+    pattern = id_shards(tmp_path, [10, 9, 12, 9])  # 40 samples
+    first, saved, stop = consume(pattern, 2, None, 2)  # 2 ranks (7 batches an epoch), 2 batches of 3 each
+    assert (len(first), stop) == (12, 2)
+    second, saved, stop = consume(pattern, 3, saved, 1)  # 3 ranks (5 batches an epoch): the rest, 28, is 3 x 9
+    assert (len(second), stop) == (9, 3)  # (and 1 left out), 3 batches a rank from batch 2; one of them consumed
+    again, _, stop = consume(pattern, 3, saved, None)  # the same 3 ranks resumed: the rest of their plan
+    assert (len(again), stop) == (18, 5)
+    third, _, stop = consume(pattern, 1, saved, None)  # or one process (14 batches an epoch): 19 left, 7 batches
+    assert (len(third), stop) == (19, 14)
+    whole = first + second + third
+    assert len(whole) == len(set(whole)) == 40  # the rest of the epoch was every sample not yet consumed, once
+    assert set(again) < set(third)  # the same rest, but for the one 3 ranks had left out
 
 
 def labelled(folder: Path, files: dict[str, bytes]) -> str:

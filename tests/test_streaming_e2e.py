@@ -3,12 +3,14 @@ its PNG); a callback writes, per rank and optimizer step, the IDs of the batch i
 random step (a periodic save possibly still being written) and resumed with `resume=RUN_DIR` trains on exactly the
 same IDs at every step, per rank, as a run never interrupted, and ends bit-identical: killed with num_workers=2 and
 resumed with none (the rest of the epoch is every sample not yet consumed, each once), and under
-2-rank DDP (gloo) with workers."""
+2-rank DDP (gloo) with workers; and a 2-rank run resumed on one process consumes the rest of its epoch, every
+sample not yet consumed, once."""
 from __future__ import annotations
 
 import json
 import random
 import re
+import shutil
 import signal
 import textwrap
 from pathlib import Path
@@ -140,6 +142,20 @@ def test_two_ddp_ranks_with_workers_killed_and_resumed_train_on_the_same_ids_and
 
     killed = tmp_path / "killed"
     run(killed, overrides(shards, tmp_path / "ids-killed", *ddp), shards, kill_at=kill_at)
+    shutil.copytree(killed, tmp_path / "moved")
+    shutil.copytree(tmp_path / "ids-killed", tmp_path / "ids-moved")
+
+    # Resumed on one process instead of two: the rest of the epoch is every sample the two ranks had not consumed,
+    # each once (and, on one process, nothing left out), numbered to end where a one-process epoch ends.
+    moved = run(None, (f"resume={tmp_path / 'moved'}", "trust_saved_config=true", "parallel=single",
+                       f"+callbacks.ids.folder={tmp_path / 'ids-moved'}"), shards)
+    at = int(re.search(r"Resumed from \S+ at step (\d+) \(epoch 0, batch (\d+)\)", output(moved)).group(1))
+    lines = digest(tmp_path / "ids-moved")
+    before = [i for rank in lines.values() for step, batch in rank.items() if step < at for i in batch]
+    after = [i for step, batch in lines["rank0"].items() if at <= step < at + 8 for i in batch]  # 57 left: 8 batches
+    assert sorted(before + after) == list(range(121)), f"kill_at={kill_at}, resumed at {at}"
+    assert len(lines["rank0"]) == at + 8 + 16  # then a whole epoch of 16 batches on one process
+
     resumed = run(None, (f"resume={killed}", "trust_saved_config=true"), shards)
     assert re.search(r"Resumed from \S+ at step [1-9]", output(resumed))
     assert digest(tmp_path / "ids-killed") == found, f"kill_at={kill_at}"
