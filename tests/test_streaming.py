@@ -252,3 +252,10 @@ def test_the_webdataset_preset_composes_and_a_shuffle_buffer_below_one_is_refuse
     config.validate(cfg)
     with pytest.raises(ConfigError, match=r"data.shuffle_buffer=0.*>= 1"):
         config.validate(compose("data=webdataset", "data.train_shards=x", "data.shuffle_buffer=0"))
+
+
+def test_predict_over_a_stream_is_refused_in_one_line():
+    data = module(Counting(5))
+    data.setup(seed=0)
+    with pytest.raises(ConfigError, match="data.train: Counting is a stream; predict writes rows by dataset index"):
+        next(data.predict_batches("train"))
