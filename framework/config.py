@@ -63,11 +63,13 @@ class TrainerConfig:
 
 @dataclass
 class CsvConfig:
+    enabled: bool = False  # logger=csv (or a list naming it) turns it on
     filename: str = "metrics.csv"  # in the run directory: step,name,value rows
 
 
 @dataclass
 class MlflowConfig:
+    enabled: bool = False  # logger=mlflow (or a list naming it) turns it on
     tracking_uri: str = "sqlite:///outputs/mlflow.db"  # conf/logger/mlflow.yaml: $MLFLOW_TRACKING_URI first
     experiment_name: Optional[str] = None  # null: the run's `name`
     run_name: Optional[str] = None  # null: the run directory's name
@@ -76,10 +78,11 @@ class MlflowConfig:
 
 @dataclass
 class LoggerConfig:
-    # The backends: `logger=[tensorboard,csv,mlflow]` chooses several; a null node is off (framework/trackers.py).
+    # The backends: `logger=[tensorboard,csv,mlflow]` turns several on (framework/trackers.py). Each one's node is
+    # always there, so setting a key of one not chosen is no composition error (it stays off).
     tensorboard: bool = False  # conf/logger/tensorboard.yaml (the default option) turns it on
-    csv: Optional[CsvConfig] = None
-    mlflow: Optional[MlflowConfig] = None
+    csv: CsvConfig = field(default_factory=CsvConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     progress_bar: bool = True
     progress_every_s: float = 30.0  # output that is not a terminal: also a line every N seconds within an epoch
 
@@ -452,7 +455,7 @@ def _check_trackers_installed(logger: DictConfig) -> None:
     from framework.trackers import PACKAGES
 
     for name, package in PACKAGES.items():
-        if logger.get(name) is not None and importlib.util.find_spec(package) is None:
+        if OmegaConf.select(logger, f"{name}.enabled") and importlib.util.find_spec(package) is None:
             raise ConfigError(
                 f"logger={name}: the {package} package is not installed; expected it installed "
                 f"(pip install 'hydra-torch-framework[trackers]', or pip install {package}), or logger={name} "

@@ -1,4 +1,4 @@
-"""The trackers a run logs to beside TensorBoard (the `logger` group's `csv`, `mlflow` and `wandb` options): one
+"""The trackers a run logs to beside TensorBoard (the `logger` group's `csv` and `mlflow` options): one
 interface, `Tracker`, and `Trackers`, which hands every tracker what TensorBoard gets and keeps a failing one from
 ending the run.
 
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 RECORD = "trackers.json"  # in the run directory: each tracker's run ID, and which trackers failed
 # The config's backends that need a package of their own, and the package (the `trackers` extra installs them).
-PACKAGES = {"mlflow": "mlflow", "wandb": "wandb"}
+PACKAGES = {"mlflow": "mlflow"}
 
 
 @dataclass
@@ -158,8 +158,8 @@ def finish(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
 
 def open_sweep(cfg: DictConfig, sweep_dir: Path) -> None:
     """A multirun's own tracker runs, before its jobs: MLflow's parent run, whose children the jobs' runs become."""
-    mlflow = cfg.logger.get("mlflow")
-    if mlflow is not None:
+    mlflow = cfg.logger.mlflow
+    if mlflow.enabled:
         from framework.tracker_mlflow import open_parent
 
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -191,7 +191,7 @@ class Trackers:
 
     @classmethod
     def open(cls, cfg: DictConfig, run_dir: Path, resume_step: Optional[int]) -> Trackers:
-        """The trackers `cfg.logger` chooses (a null or absent node is off), for a run in `run_dir`."""
+        """The trackers `cfg.logger` turns on (`logger.<name>.enabled`), for a run in `run_dir`."""
         container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         run = TrackedRun(
             run_dir=run_dir,
@@ -202,8 +202,8 @@ class Trackers:
         )
         trackers = cls(run)
         for name, opener in OPENERS.items():
-            settings = cfg.logger.get(name)
-            if settings is None:
+            settings = cfg.logger[name]
+            if not settings.enabled:
                 continue
             try:
                 trackers.active.append(opener(run, settings))

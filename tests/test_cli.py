@@ -94,7 +94,8 @@ def test_non_zero_torchrun_rank_prints_nothing_but_fails(tmp_path: Path) -> None
 def test_help_lists_the_groups_options_without_internal_schemas(tmp_path: Path) -> None:
     proc = run_cli(None, "--help", fast=False)
     assert proc.returncode == 0, output(proc)
-    assert_in(proc.stdout, "precision: amp, bf16, fp16, fp32\n", "trainer: default\n", "logger: tensorboard\n")
+    assert_in(proc.stdout, "precision: amp, bf16, fp16, fp32\n", "trainer: default\n",
+              "logger: csv, many, mlflow, tensorboard\n")
     assert "schema" not in proc.stdout
 
 

@@ -72,13 +72,15 @@ def as_float32(series: list[tuple[int, float]]) -> list[tuple[int, float]]:
 # ---------------------------------------------------------------------------------------------- config
 def test_the_default_is_tensorboard_alone_and_a_list_chooses_several(compose):
     default = compose().logger
-    assert default.tensorboard and default.csv is None and default.mlflow is None
+    assert default.tensorboard and not default.csv.enabled and not default.mlflow.enabled
     several = compose("logger=[tensorboard,csv,mlflow]", "logger.mlflow.tracking_uri=sqlite:///x.db").logger
     assert several.tensorboard and several.csv.filename == "metrics.csv"
     assert several.mlflow.tracking_uri == "sqlite:///x.db"
-    assert compose("logger=many").logger.mlflow is not None
+    assert compose("logger=many").logger.mlflow.enabled
     alone = compose("logger=csv").logger
-    assert not alone.tensorboard and alone.csv is not None and alone.progress_bar  # shared keys stay
+    assert not alone.tensorboard and alone.csv.enabled and alone.progress_bar  # shared keys stay
+    unchosen = compose("logger=tensorboard", "logger.mlflow.tracking_uri=sqlite:///x.db").logger  # no error: off
+    assert unchosen.mlflow.tracking_uri == "sqlite:///x.db" and not unchosen.mlflow.enabled
 
 
 # ---------------------------------------------------------------------------------------------- one run, three stores
