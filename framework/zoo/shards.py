@@ -9,16 +9,19 @@ the command line that trains on them.
 from __future__ import annotations
 
 import io
+import json
 import os
 import sys
 import tarfile
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 
+from framework.shards import TarShards
+from framework.streaming import expand_braces
 from framework.zoo.datasets import digits
 
 
@@ -65,6 +68,26 @@ def write_digits(folder: Path, per_shard: int = 128) -> dict[str, str]:
         paths = write_image_shards(folder, split, images, labels.tolist(), per_shard)
         patterns[split] = f"{folder}/{split}-{{000000..{len(paths) - 1:06d}}}.tar"
     return patterns
+
+
+def digits_shards(shards: Optional[str], root: str, split: str, **options: Any) -> TarShards:
+    """`TarShards(shards, ...)`; with `shards` null, the digits' `split` (data=digits' split), written once as PNG
+    shards under `root`/digits_shards: what `data=webdataset` reads when no shards are given."""
+    if shards is None:
+        folder = Path(root) / "digits_shards"
+        done = folder / "counts.json"
+        if not done.is_file():
+            counts = {name: _shards_in(pattern) for name, pattern in write_digits(folder).items()}
+            partial = folder / f"counts.json.{os.getpid()}.part"
+            partial.write_text(json.dumps(counts))
+            partial.replace(done)
+        count = json.loads(done.read_text())[split]
+        shards = f"{folder}/{split}-{{000000..{count - 1:06d}}}.tar"
+    return TarShards(shards, **options)
+
+
+def _shards_in(pattern: str) -> int:
+    return len(expand_braces(pattern))
 
 
 if __name__ == "__main__":
