@@ -77,10 +77,11 @@ class TensorBoardLogger:
         if self.enabled:
             self.writer.add_text(tag, text, step)
 
-    def flush(self) -> None:
+    def flush(self, trackers_now: bool = False) -> None:
+        """`trackers_now`: the trackers write what they keep (an evaluation's end), not only what is due."""
         if self._writer is not None:
             self._writer.flush()
-        self.trackers.flush()
+        self.trackers.flush(trackers_now)
 
     def close(self) -> None:
         if self._writer is not None:

@@ -375,7 +375,7 @@ class MetricLogger:
         Flushed: an evaluation's metrics are in every store before the checkpoint that follows it is saved, so a
         run killed after that checkpoint lost none of them (framework/trackers.py)."""
         self.tensorboard.log_metrics({k: v for k, v in metrics.items() if k not in self.hidden}, step)
-        self.tensorboard.flush()
+        self.tensorboard.flush(trackers_now=True)
         self.metrics.update(metrics)
 
     def flush(self, step: int, extras: dict[str, float]) -> None:

@@ -81,24 +81,26 @@ class MlflowTracker:
                 self.sent[key] = max(steps)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Kept until the next flush (an epoch's end, an evaluation's, or every 10 s as TensorBoard's writer does):
-        one SQLite commit takes tens of milliseconds, too long for every logging step."""
+        """Kept until an evaluation's end, or 10 s (as TensorBoard's writer flushes): one SQLite commit takes tens
+        of milliseconds, too long for every logging step, or for every epoch of a fast model."""
         from mlflow.entities import Metric
 
         now = time.time()
         sent, stamp = self.sent, int(now * 1000)
         self._points += [Metric(k, float(v), stamp, step) for k, v in metrics.items() if sent.get(k, -1) < step]
         if now - self._flushed_at > FLUSH_S:
-            self.flush()
+            self.flush(now=True)
 
-    def flush(self) -> None:
+    def flush(self, now: bool) -> None:
+        if not now and time.time() - self._flushed_at <= FLUSH_S:
+            return
         points, self._points = self._points, []
         for i in range(0, len(points), BATCH):
             self.client.log_batch(self.run_id, metrics=points[i : i + BATCH])
         self._flushed_at = time.time()
 
     def close(self) -> None:
-        self.flush()
+        self.flush(now=True)
         provenance = self.run.run_dir / "provenance.json"
         if provenance.is_file():  # the app writes it in the background while the run starts
             self.client.log_artifact(self.run_id, str(provenance))

@@ -73,7 +73,8 @@ class Tracker(Protocol):
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
 
-    def flush(self) -> None: ...
+    def flush(self, now: bool) -> None:
+        """`now`: write what is kept (after an evaluation); else only what has waited long enough (an epoch's end)."""
 
     def close(self) -> None: ...
 
@@ -119,7 +120,7 @@ class CsvTracker:
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         self._rows.writerows((step, name, value) for name, value in metrics.items())
 
-    def flush(self) -> None:
+    def flush(self, now: bool) -> None:
         self._file.flush()
 
     def close(self) -> None:
@@ -218,10 +219,10 @@ class Trackers:
             except Exception as err:  # noqa: BLE001
                 self._drop(tracker, err, f"failed at step {step}")
 
-    def flush(self) -> None:
+    def flush(self, now: bool = False) -> None:
         for tracker in self.active:
             try:
-                tracker.flush()
+                tracker.flush(now)
             except Exception as err:  # noqa: BLE001
                 self._drop(tracker, err, "failed to flush")
 

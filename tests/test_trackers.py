@@ -158,7 +158,7 @@ class Broken:
         if self.calls == 2:
             raise OSError(28, "No space left on device")
 
-    def flush(self) -> None:
+    def flush(self, now: bool) -> None:
         pass
 
     def close(self) -> None:
