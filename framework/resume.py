@@ -597,9 +597,6 @@ def _merged(fresh: DictConfig, saved: SavedRun, rechosen: list[str], own: tuple[
                     and OmegaConf.get_type(merged, key) not in (dict, list, type(None))
                     and isinstance(value, dict)
                 ):  # a typed framework group: keep its schema
-                    for sub, sub_value in value.items():  # a node this command line left null (logger.mlflow)
-                        if isinstance(sub_value, dict) and sub in merged[key] and merged[key][sub] is None:
-                            merged[key].merge_with({sub: sub_value})  # typed by its schema
                     for leaf, leaf_value in _leaves(value, key).items():
                         OmegaConf.update(merged, leaf, leaf_value, merge=False)
                 else:
