@@ -112,7 +112,8 @@ class PredictionWriter:
         to values (a bare tensor is the column "output"). Written out once `chunk_rows` rows are pending."""
         if indices.dim() != 1 or indices.dtype != torch.int64:
             raise TypeError(f"indices: expected a 1-D int64 tensor, got {_describe(indices)}")
-        pieces = batch_pieces(outputs, len(indices))
+        rows = indices.shape[0]
+        pieces = batch_pieces(outputs, rows)
         signature = tuple((name, _kind(piece)) for name, piece in pieces.items())
         if signature not in self._signatures:
             schema = pa.schema([(INDEX, pa.int64()), *((name, _arrow_type(name, p)) for name, p in pieces.items())])
@@ -122,7 +123,7 @@ class PredictionWriter:
                 raise UserError(_schema_change(self._schema, schema))
             self._signatures[signature] = schema
         self._pending.append((indices.to("cpu", copy=True), pieces))
-        self._pending_rows += len(indices)
+        self._pending_rows += rows
         if self._pending_rows >= self.chunk_rows:
             self._flush()
 
@@ -176,7 +177,8 @@ def batch_pieces(outputs: Mapping[str, Any] | torch.Tensor, rows: int) -> dict[s
 
 def _piece(name: str, value: Any, rows: int) -> Piece:
     if isinstance(value, torch.Tensor):
-        if value.dim() == 0 or len(value) != rows or 0 in value.shape[1:] or _numpy_type(value.dtype) is None:
+        shape = value.shape
+        if not shape or shape[0] != rows or 0 in shape[1:] or _numpy_type(value.dtype) is None:
             raise _bad(name, value, rows)
         # A copy: the step may reuse its memory, and Arrow will share numpy's.
         dtype = torch.float32 if value.dtype == torch.bfloat16 else value.dtype
@@ -204,7 +206,7 @@ def _numpy_type(dtype: torch.dtype) -> Optional[pa.DataType]:
 
 
 def _kind(piece: Piece) -> Any:
-    return (piece.dtype, tuple(piece.shape[1:])) if isinstance(piece, torch.Tensor) else piece.type
+    return (piece.dtype, piece.shape[1:]) if isinstance(piece, torch.Tensor) else piece.type
 
 
 def _arrow_type(name: str, piece: Piece) -> pa.DataType:

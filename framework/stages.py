@@ -120,10 +120,9 @@ def predict(
         setattr(run.task, run.model_attr, run.module)  # no DDP/DP wrapper: each rank runs its own samples alone
         run.task.eval()
         batches = run.data.predict_batches(source, strategy.rank, strategy.world_size, writer.done(), seed=cfg.seed)
-        with torch.inference_mode():
+        with torch.inference_mode(), run.precision.autocast():  # the writer's CPU copies and cat are not autocast
             for i, (indices, batch) in enumerate(batches):
-                with run.precision.autocast():
-                    out = step_fn(move_to(batch, run.device), i) if i else _first_step(step_fn, batch, run)
+                out = step_fn(move_to(batch, run.device), i) if i else _first_step(step_fn, batch, run)
                 writer.write(indices, out)
         writer.close()
         setattr(run.task, run.model_attr, wrapped)
