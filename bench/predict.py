@@ -92,19 +92,15 @@ def train_checkpoint(run_dir: Path, steps: int) -> Any:
 
 
 def checkpoint_model(checkpoint: Any) -> torch.nn.Module:
-    """bench/handwritten.py's MLP with the checkpoint's weights (the framework's model holds the same layers in
-    the same order)."""
+    """The model the run trained, as a user predicting with their own loop has it: `framework.zoo.models.MLP`
+    (128-256-256-10, its Flatten included), built as `experiment=bench` builds it, with the checkpoint's
+    evaluated weights. Every contender runs this same module, so the ratios measure loops and writers."""
     from framework.export import eval_weights
+    from framework.zoo.models import MLP
 
     weights, _ = eval_weights(checkpoint)
-    model = handwritten.make_model()
-    # framework.zoo.models.MLP's `net.1`, `net.3`, `net.5` (after its Flatten, `net.0`) are layers 0, 2, 4 here.
-    renamed = {}
-    for name, value in weights.items():
-        prefix, index, param = name.split(".")
-        assert prefix == "net", list(weights)
-        renamed[f"{int(index) - 1}.{param}"] = value
-    model.load_state_dict(renamed)  # strict: every layer of both, same shapes
+    model = MLP(input_shape=[128], num_classes=10, hidden=handwritten.HIDDEN)  # conf/experiment/bench.yaml's
+    model.load_state_dict(weights)  # strict: every layer of both, same shapes
     return model.eval()
 
 
