@@ -7,24 +7,30 @@ where they apply. A module's `pytestmark` gives its tests' tier; a test's own `@
 `@pytest.mark.e2e` replaces it. A test with no tier is a collection error, so a new test cannot fall outside both,
 and a unit test that starts a process fails.
 
-Helpers: run the real CLI in a subprocess and read its one error line, compose configs in-process, read
+Helpers: run the real CLI in a process of its own (forked from a warm interpreter that has imported torch and
+Hydra already: tests/warmstart.py) and read its one error line, compose configs in-process, read
 TensorBoard events and checkpoints, write small datasets in their official on-disk formats. Test modules import
 them from here, never from each other."""
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
 import pickle
+import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import pytest
 from PIL import Image
+
+from warmstart import WarmStarter
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -39,12 +45,36 @@ def run_cli(run_dir: Path | None, *overrides: str, timeout: float = 180, env: di
     choose, as for resume=RUN_DIR)."""
     where = [f"hydra.run.dir={run_dir}"] if run_dir is not None else []
     args = [sys.executable, str(ROOT / "run.py"), *where, *(FAST if fast else ()), *overrides]
-    full_env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    # One intra-op thread per run: the suite runs two tests at once on two cores, and oversubscribed OpenMP
-    # threads spin (a ResNet-18 run took 37 CPU-s instead of 8). Runs compared with each other share it.
-    full_env.setdefault("OMP_NUM_THREADS", "1")
-    full_env.update(env or {})
-    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
+    return warm_starter().run(args, cwd=ROOT, env={**run_env(), **(env or {})}, timeout=timeout)
+
+
+def run_env() -> dict[str, str]:
+    """The environment of a test's run: this one's, less HYDRA_FULL_ERROR (a user's mistake is one line), with one
+    intra-op thread per run: the suite runs two tests at once on two cores, and oversubscribed OpenMP threads spin
+    (a ResNet-18 run took 37 CPU-s instead of 8). Runs compared with each other share it."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # logger=mlflow's default store is outputs/mlflow.db under the working directory, the checkout: a run that
+    # chooses it without a tracking_uri of its own (the resume matrix's) writes to this process's scratch store.
+    env.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{SCRATCH / 'mlflow.db'}")
+    return env
+
+
+# This pytest process's scratch folder for what runs would otherwise leave in the checkout; removed at its end.
+SCRATCH = Path(tempfile.mkdtemp(prefix="htf-tests-"))
+atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
+
+
+_WARM: list[WarmStarter] = []
+
+
+def warm_starter() -> WarmStarter:
+    """This pytest process's warm process (tests/warmstart.py), started at its first run and ended with it: each
+    run is a real process forked from it, which skips the ~3 CPU-s of imports every `python run.py` pays."""
+    if not _WARM:
+        _WARM.append(WarmStarter(run_env()))
+        atexit.register(_WARM[0].close)
+    return _WARM[0]
 
 
 def output(proc: subprocess.CompletedProcess) -> str:

@@ -1,0 +1,211 @@
+"""`python run.py ...` as a real process, without paying the interpreter's imports again for every run.
+
+Most of a small test run's time is start-up: importing torch, Hydra and torch._dynamo (which torch.optim's first
+optimizer imports) takes ~3 CPU-s of the ~4 a 30-step run costs. A suite that starts a few hundred runs on 2 cores
+spends minutes there. So each pytest worker keeps one *warm* process that has imported what `run.py` imports and
+nothing more (no config composed, no run started), and forks it for each run: the child is a real process of its
+own (its own pid, its signals, its exit status, its stdout and stderr as pipes), which sets the run's environment
+and working directory, then executes run.py as `__main__` and exits through the interpreter's normal shutdown
+(atexit hooks, flushes), exactly as `python run.py` does after its imports.
+
+What a fork cannot give, `cold_only` sends to a fresh interpreter instead: anything that changes what the
+interpreter does *at start-up* (PYTHON* variables, the hash seed, the OpenMP or CUDA environment torch reads when
+it is imported). A `sitecustomize` on the run's PYTHONPATH (the kill hook) is imported by the child before run.py,
+as `site` would at start-up; the warm process itself is started without one. Tests of start-up itself (test_package, the entry points)
+always start fresh interpreters.
+
+Protocol (a Unix socket): the client sends one JSON line {argv, env, cwd} with its stdout and stderr pipes'
+write ends attached (SCM_RIGHTS), and reads back two lines: the child's pid, then its wait status. The warm
+process forks a reaper per run, which forks the run and waits for it, so the warm process never has threads.
+"""
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Mapping, Optional
+
+# What run.py's process imports before its job starts, and the big imports its run makes (torch.optim's first
+# optimizer imports torch._dynamo; TensorBoard's writer, the checkpoint reader).
+PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.utils.tensorboard", "torch.distributed",
+           "hydra", "omegaconf", "numpy", "framework.cli", "framework.app", "framework.trainer")
+# Read by the interpreter or by torch when they start, so a fork cannot honour a change to them.
+STARTUP_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "LD_PRELOAD", "PYTHONHASHSEED",
+               "PYTHONSTARTUP", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "PYTHONOPTIMIZE",
+               "PYTHONNOUSERSITE", "PYTHONSAFEPATH", "PYTHONMALLOC", "PYTHONFAULTHANDLER", "PYTHONTRACEMALLOC",
+               "PYTHONDEVMODE", "PYTHONUTF8", "PYTHONIOENCODING", "PYTHONHOME", "PYTHONEXECUTABLE")
+
+
+class WarmStarter:
+    """A warm process for one pytest worker; `run` is `subprocess.run([python, script, *args], ...)`."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = dict(env)
+        self.folder = tempfile.mkdtemp(prefix="warmstart-")
+        self.address = os.path.join(self.folder, "socket")
+        log = os.path.join(self.folder, "log")  # a file, not a pipe nobody reads once it has started
+        with open(log, "wb") as errors:
+            self.process = subprocess.Popen([sys.executable, __file__, self.address], env=self.env,
+                                            stdin=subprocess.DEVNULL, stdout=errors, stderr=errors)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.address):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.process.kill()
+                raise RuntimeError(f"the warm process did not start: {Path(log).read_text()}")
+            time.sleep(0.05)
+
+    def cold_only(self, env: Mapping[str, str]) -> bool:
+        """True when this environment changes what the interpreter or torch do when they start."""
+        return any(env.get(key) != self.env.get(key) for key in STARTUP_ENV)
+
+    def run(self, args: list[str], *, cwd: Path, env: Mapping[str, str], timeout: float
+            ) -> subprocess.CompletedProcess:
+        if self.cold_only(env) or self.process.poll() is not None:
+            return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=dict(env))
+        out_read, out_write = os.pipe()
+        err_read, err_write = os.pipe()
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(self.address)
+            request = json.dumps({"argv": args[1:], "env": dict(env), "cwd": str(cwd)}).encode() + b"\n"
+            socket.send_fds(conn, [request], [out_write, err_write])
+        finally:
+            os.close(out_write)
+            os.close(err_write)
+        with conn, conn.makefile("rb") as reply:
+            pid = int(reply.readline())
+            deadline = time.monotonic() + timeout
+            stdout, stderr = _read_both(out_read, err_read, deadline)
+            conn.settimeout(max(deadline - time.monotonic(), 1))
+            try:
+                if stdout is None or stderr is None:  # its pipes still open at the deadline
+                    raise TimeoutError
+                status = int(reply.readline())
+            except (TimeoutError, ValueError):
+                os.kill(pid, signal.SIGKILL)  # as subprocess.run does on its timeout
+                raise subprocess.TimeoutExpired(args, timeout, stdout, stderr) from None
+        return subprocess.CompletedProcess(args, os.waitstatus_to_exitcode(status), stdout, stderr)
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        for name in os.listdir(self.folder):
+            os.unlink(os.path.join(self.folder, name))
+        os.rmdir(self.folder)
+
+
+def _read_both(out_fd: int, err_fd: int, deadline: float) -> tuple[Optional[str], Optional[str]]:
+    """Both pipes read to their end (as Popen.communicate does), or (None, None) past the deadline; both descriptors
+    are closed either way."""
+    chunks: dict[int, list[bytes]] = {out_fd: [], err_fd: []}
+    with selectors.DefaultSelector() as selector:
+        for fd in chunks:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for fd in chunks:
+                    os.close(fd)
+                return None, None
+            for key, _ in selector.select(left):
+                data = os.read(key.fd, 65536)
+                if data:
+                    chunks[key.fd].append(data)
+                else:
+                    selector.unregister(key.fd)
+                    os.close(key.fd)
+    return tuple(b"".join(chunks[fd]).decode(errors="replace") for fd in (out_fd, err_fd))  # type: ignore
+
+
+# ------------------------------------------------------------------------------------------- the warm process
+def _serve(address: str) -> None:
+    import importlib
+    import threading
+
+    # As `python run.py` has it: the script's folder (the repository) first, where `framework` is.
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+    for name in PRELOAD:
+        importlib.import_module(name)
+    # A fork copies only the thread that forks: nothing may run beside it (Python's threads, or native ones such as
+    # an OpenMP pool, which /proc lists).
+    native = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+    if threading.active_count() != 1 or native != 1:
+        raise RuntimeError(f"threads after the imports: {threading.enumerate()}, {native} native")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address + ".tmp")
+    listener.listen(8)
+    os.rename(address + ".tmp", address)  # the client waits for the name: it appears once we listen
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    while True:
+        conn, _ = listener.accept()
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+        request = json.loads(message)
+        if os.fork() == 0:  # the reaper
+            listener.close()
+            pid = os.fork()
+            if pid == 0:
+                conn.close()
+                _become_run(request, fds)
+                return  # only reached by the run's own process, which _become_run returns into to exit
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(f"{pid}\n".encode())
+            _, status = os.waitpid(pid, 0)
+            conn.sendall(f"{status}\n".encode())
+            os._exit(0)
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+        while True:  # reap the reapers that are done
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+
+
+def _become_run(request: dict, fds: list[int]) -> None:
+    """In the forked child: the run's standard streams, environment, working directory, path, argv and
+    sitecustomize, then run.py as `__main__`; its SystemExit (or none) ends this interpreter as it would end
+    `python run.py`."""
+    import importlib.util
+    import runpy
+
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(fds[0], 1)
+    os.dup2(fds[1], 2)
+    for fd in (devnull, *fds):
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    script = os.path.abspath(request["argv"][0])
+    extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [os.path.dirname(script), *extra, *[p for p in sys.path[1:] if p not in extra]]
+    sys.argv[:] = request["argv"]
+    sys.orig_argv[:] = [sys.executable, *request["argv"]]  # the command line `python run.py ...` would have had
+    # What `site` does at start-up: import the first `sitecustomize` on the path (a test's kill hook, say).
+    found = next((Path(folder, "sitecustomize.py") for folder in extra if Path(folder, "sitecustomize.py").exists()),
+                 None)
+    if found is not None:
+        spec = importlib.util.spec_from_file_location("sitecustomize", found)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["sitecustomize"] = module
+        spec.loader.exec_module(module)
+    sys.stdout = open(1, "w", closefd=False)  # fresh text streams over the new descriptors
+    sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
+    sys.stdin = open(0, "r", closefd=False)
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])
