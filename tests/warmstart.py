@@ -62,8 +62,9 @@ class WarmStarter:
             time.sleep(0.05)
 
     def cold_only(self, env: Mapping[str, str]) -> bool:
-        """True when this environment changes what the interpreter or torch do when they start."""
-        return any(env.get(key) != self.env.get(key) for key in STARTUP_ENV)
+        """True when this environment changes what the interpreter or torch do when they start, or asks for a fresh
+        interpreter (HTF_TESTS_COLD=1: every run as `python run.py` would start, to compare or to debug)."""
+        return env.get("HTF_TESTS_COLD") == "1" or any(env.get(key) != self.env.get(key) for key in STARTUP_ENV)
 
     def run(self, args: list[str], *, cwd: Path, env: Mapping[str, str], timeout: float
             ) -> subprocess.CompletedProcess:
