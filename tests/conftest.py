@@ -45,7 +45,17 @@ def run_cli(run_dir: Path | None, *overrides: str, timeout: float = 180, env: di
     choose, as for resume=RUN_DIR)."""
     where = [f"hydra.run.dir={run_dir}"] if run_dir is not None else []
     args = [sys.executable, str(ROOT / "run.py"), *where, *(FAST if fast else ()), *overrides]
-    return warm_starter().run(args, cwd=ROOT, env={**run_env(), **(env or {})}, timeout=timeout)
+    return run_process(args, env=env, timeout=timeout)
+
+
+def run_process(args: list[str], *, cwd: Path = ROOT, env: dict[str, str] | None = None,
+                timeout: float = 180) -> subprocess.CompletedProcess:
+    """`subprocess.run(args, capture_output=True, text=True)` in run_env() updated with `env`: a Python script
+    (`python SCRIPT ...`) forked from the warm process, anything else (`-m`, `-c`, other programs) started fresh."""
+    full_env = {**run_env(), **(env or {})}
+    if len(args) > 1 and args[0] == sys.executable and args[1].endswith(".py"):
+        return warm_starter().run(args, cwd=cwd, env=full_env, timeout=timeout)
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
 def run_env() -> dict[str, str]:

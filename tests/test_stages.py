@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, fingerprint, one_error_line, output, read_scalars, replace, run_cli
+from conftest import ROOT, fingerprint, one_error_line, output, read_scalars, replace, run_cli, run_process
 
 pytestmark = pytest.mark.e2e
 
@@ -43,9 +43,8 @@ def summary(run_dir: Path) -> dict:
 
 
 def stage(stage_name: str, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "run.py"), stage_name, f"hydra.run.dir={run_dir}", *QUIET,
-                           *overrides], cwd=ROOT, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return run_process([sys.executable, str(ROOT / "run.py"), stage_name, f"hydra.run.dir={run_dir}", *QUIET,
+                        *overrides], env={"OMP_NUM_THREADS": "1"})
 
 
 def test_test_of_a_run_directory_prints_and_records_the_test_acc_the_run_tested(trained, tmp_path):

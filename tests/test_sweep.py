@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from conftest import ROOT, output
+from conftest import ROOT, output, run_process
 from framework.metric_logger import TaskHandle
 from framework.task import ClassificationTask, StepOutput
 
@@ -32,10 +32,7 @@ QUICK = ("logger.progress_bar=false", "trainer.max_epochs=1", "trainer.limit_tra
 def sweep(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None, timeout: float = 300):
     sweep_dir = tmp_path / "sweep"
     args = [sys.executable, str(ROOT / "run.py"), "-m", f"hydra.sweep.dir={sweep_dir}", *QUICK, *overrides]
-    full_env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    full_env.update(env or {})
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
-    return proc, sweep_dir
+    return run_process(args, env=env, timeout=timeout), sweep_dir
 
 
 def rows(sweep_dir: Path) -> list[dict[str, str]]:
