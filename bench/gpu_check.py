@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = [
     "tests/test_cuda_paths.py",
     "tests/test_precision.py",
+    "tests/test_cuda_state.py",
 ]
 BENCHMARKS = [
     ["bench/overhead.py", "--device", "cuda", "--reps", "3"],

@@ -37,6 +37,8 @@ TINY = ("trainer.max_epochs=1", "trainer.limit_train_batches=4", "trainer.test=f
 
 # ---------------------------------------------------------------------------------------------- item 1: dp autocast
 @pytest.mark.unit
+@pytest.mark.skipif(torch.cuda.is_available(), reason="nn.DataParallel moves a module to cuda:0 where CUDA is "
+                    "visible; the CUDA test below is this one on the GPU")
 def test_dp_replica_computes_in_the_runs_dtype_inside_a_thread_that_only_enables_autocast():
     """DataParallel's parallel_apply runs each replica in a thread under `autocast(device, enabled=True)` with no
     dtype, which is the device's default there (autocast's dtype is thread-local). On the CPU that default is
