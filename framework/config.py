@@ -77,12 +77,28 @@ class MlflowConfig:
 
 
 @dataclass
+class WandbConfig:
+    enabled: bool = False  # logger=wandb (or a list naming it) turns it on
+    mode: str = "offline"  # offline: files under `dir`, uploaded by `wandb sync`; online: sent as the run goes
+    project: Optional[str] = None  # null: the run's `name`
+    entity: Optional[str] = None  # null: W&B's default for the API key (online)
+    dir: Optional[str] = None  # null: the run directory (RUN_DIR/wandb/...)
+    group: Optional[str] = None  # null: a multirun's jobs are grouped by the sweep directory's name
+    name: Optional[str] = None  # null: the run directory's name
+    tags: list[str] = field(default_factory=list)
+
+
+WANDB_MODES = ("offline", "online")
+
+
+@dataclass
 class LoggerConfig:
     # The backends: `logger=[tensorboard,csv,mlflow]` turns several on (framework/trackers.py). Each one's node is
     # always there, so setting a key of one not chosen is no composition error (it stays off).
     tensorboard: bool = False  # conf/logger/tensorboard.yaml (the default option) turns it on
     csv: CsvConfig = field(default_factory=CsvConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     progress_bar: bool = True
     progress_every_s: float = 30.0  # output that is not a terminal: also a line every N seconds within an epoch
 
@@ -436,6 +452,12 @@ def validate(cfg: DictConfig) -> None:
         "logger.progress_every_s",
         cfg.logger.progress_every_s,
         "a number of seconds > 0",
+    )
+    _require(
+        cfg.logger.wandb.mode in WANDB_MODES,
+        "logger.wandb.mode",
+        cfg.logger.wandb.mode,
+        f"one of {', '.join(WANDB_MODES)} (offline writes files under the run directory for `wandb sync`)",
     )
     _check_trackers_installed(cfg.logger)
     _check_callbacks(cfg.get("callbacks", DictConfig({})))

@@ -1,4 +1,4 @@
-"""The trackers a run logs to beside TensorBoard (the `logger` group's `csv` and `mlflow` options): one
+"""The trackers a run logs to beside TensorBoard (the `logger` group's `csv`, `mlflow` and `wandb` options): one
 interface, `Tracker`, and `Trackers`, which hands every tracker what TensorBoard gets and keeps a failing one from
 ending the run.
 
@@ -10,7 +10,7 @@ holds none, so no tracker branches on rank.
 A tracker is not allowed to end a run: its first error (a store that fails, a full disk, a server gone) is one
 warning, and that tracker is closed and left out for the rest of the run; the others and the checkpoints go on, and
 `trackers.json` in the run directory names it (the app copies it into summary.json's `loggers_failed`). The same
-file keeps what a resumed run needs to continue the same tracker run (MLflow's run ID).
+file keeps what a resumed run needs to continue the same tracker run (MLflow's and W&B's run IDs).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 RECORD = "trackers.json"  # in the run directory: each tracker's run ID, and which trackers failed
 # The config's backends that need a package of their own, and the package (the `trackers` extra installs them).
-PACKAGES = {"mlflow": "mlflow"}
+PACKAGES = {"mlflow": "mlflow", "wandb": "wandb"}
 
 
 @dataclass
@@ -137,7 +137,36 @@ def _open_mlflow(run: TrackedRun, settings: DictConfig) -> Tracker:
     return MlflowTracker(run, settings)
 
 
-OPENERS: dict[str, Callable[[TrackedRun, DictConfig], Tracker]] = {"csv": _open_csv, "mlflow": _open_mlflow}
+def _open_wandb(run: TrackedRun, settings: DictConfig) -> Tracker:
+    from framework.tracker_wandb import WandbTracker  # wandb is imported only by a run that chose it
+
+    return WandbTracker(run, settings)
+
+
+OPENERS: dict[str, Callable[[TrackedRun, DictConfig], Tracker]] = {
+    "csv": _open_csv,
+    "mlflow": _open_mlflow,
+    "wandb": _open_wandb,
+}
+
+
+def _finish_mlflow(kept: dict[str, Any], summary: dict[str, Any]) -> None:
+    from framework.tracker_mlflow import finish_run
+
+    finish_run(kept, summary)
+
+
+def _finish_wandb(kept: dict[str, Any], summary: dict[str, Any]) -> None:
+    from framework.tracker_wandb import finish_run
+
+    finish_run(kept, summary)
+
+
+# The trackers that get the run's summary after it, by the run they kept in trackers.json.
+FINISHERS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
+    "mlflow": _finish_mlflow,
+    "wandb": _finish_wandb,
+}
 
 
 def finish(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
@@ -145,20 +174,26 @@ def finish(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     tracker runs the run directory names, and the summary gets `loggers_failed`, naming the trackers that failed."""
     path = run_dir / RECORD
     record = json.loads(path.read_text()) if path.is_file() else {}
-    mlflow = record.get("mlflow")
-    if mlflow and "mlflow" not in record.get("failed", {}):
-        from framework.tracker_mlflow import finish_run
-
+    for name, finish_run in FINISHERS.items():
+        kept = record.get(name)
+        if not kept or name in record.get("failed", {}):
+            continue
         try:
-            finish_run(mlflow, summary)
+            finish_run(kept, summary)
         except Exception as err:  # noqa: BLE001  (the run is done; its tracker's last call may fail alone)
-            log.warning("logger.mlflow: the summary was not logged (%s: %s)", type(err).__name__, err)
-            record.setdefault("failed", {})["mlflow"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+            log.warning("logger.%s: the summary was not logged (%s: %s)", name, type(err).__name__, err)
+            record.setdefault("failed", {})[name] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
     return {**summary, "loggers_failed": record["failed"]} if record.get("failed") else summary
 
 
 def open_sweep(cfg: DictConfig, sweep_dir: Path) -> None:
-    """A multirun's own tracker runs, before its jobs: MLflow's parent run, whose children the jobs' runs become."""
+    """A multirun's own tracker runs, before its jobs: MLflow's parent run, whose children the jobs' runs become;
+    W&B's group, which the jobs' runs join."""
+    wandb = cfg.logger.wandb
+    if wandb.enabled:  # nothing to open: the group is a name, the sweep directory's unless logger.wandb.group says
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        sweep = TrackedRun(sweep_dir, str(cfg.get("name") or sweep_dir.name), {})
+        sweep.remember("wandb_sweep", {"group": str(wandb.group or sweep_dir.name)})
     mlflow = cfg.logger.mlflow
     if mlflow.enabled:
         from framework.tracker_mlflow import open_parent

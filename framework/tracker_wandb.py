@@ -1,0 +1,184 @@
+"""The Weights & Biases tracker (`logger=wandb`), through `wandb.init` and the `Run` it returns only: no `wandb.log`,
+no global `wandb.run` (`reinit="create_new"`), console capture, git or code saving off; nothing of wandb is imported
+by a run that did not choose it.
+
+Offline by default (`logger.wandb.mode=online` sends to the server as it runs): the run's files go under the run
+directory (`RUN_DIR/wandb/offline-run-*`, `wandb sync` uploads them later), so a run directory carries its W&B run
+wherever it is copied, and a resume finds the killed run's files. The run's ID is kept in trackers.json, so
+`resume=RUN_DIR` continues the same W&B run (`resume="allow"`; "must" needs the server). W&B cannot delete a point,
+and its `resume_from`/`fork_from` rewind is done by the server, so neither works offline: as the MLflow tracker
+does, a resumed run does not send again the steps the killed run's files already hold after the checkpoint (a
+resume is exact, so they are the values it would send); the series keeps one point per step.
+
+Each point is logged at the trainer's step (`Run.log(..., step=)`), so W&B's x-axis is TensorBoard's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional
+
+from omegaconf import DictConfig
+
+from framework.trackers import TrackedRun
+
+
+def values(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The config flattened to dotted keys with its values kept as they are (numbers stay numbers: W&B's tables
+    and parallel-coordinates charts compare them); lists as JSON, as `trackers.flatten` writes them."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(values(value, f"{name}."))
+        else:
+            flat[name] = json.dumps(value) if isinstance(value, (list, dict)) else value
+    return flat
+
+
+def _settings() -> Any:
+    import wandb
+
+    # console="off": W&B would otherwise wrap this process's stdout and stderr; git and code: provenance.json has them.
+    return wandb.Settings(console="off", silent=True, disable_git=True, disable_code=True, save_code=False)
+
+
+def _init(kept: Mapping[str, Any], **more: Any) -> Any:
+    import wandb
+
+    return wandb.init(
+        id=kept["run_id"],
+        project=kept["project"],
+        entity=kept.get("entity"),
+        dir=kept["dir"],
+        mode=kept["mode"],
+        resume="allow",
+        reinit="create_new",  # a Run object of its own, not wandb.run: no global state, several runs at once
+        settings=_settings(),
+        **more,
+    )
+
+
+class WandbTracker:
+    name = "wandb"
+
+    def __init__(self, run: TrackedRun, settings: DictConfig) -> None:
+        where = Path(settings.dir) if settings.dir else run.run_dir
+        where.mkdir(parents=True, exist_ok=True)
+        kept = run.record().get("wandb", {})
+        self.sent: dict[str, int] = {}  # metric -> the last step the killed run's files hold (a resumed run's)
+        if kept.get("run_id") and kept.get("dir") == str(where):
+            self.sent = held_after(where, kept["run_id"], run.resume_step or 0)
+        else:  # a new W&B run: W&B picks its ID
+            kept = {"run_id": None, "project": str(settings.project or run.name), "entity": settings.entity}
+        kept = {**kept, "dir": str(where), "mode": str(settings.mode)}  # a resumed run may go online
+        group = settings.group or (run.sweep_parent("wandb_sweep") or {}).get("group")
+        tags = [run.run_dir.name, *map(str, settings.tags or [])]  # tags are short: the full path is in the config
+        config = {"run_dir": str(run.run_dir.resolve()), **values(run.config)}
+        self.wb = _init(kept, name=str(settings.name or run.run_dir.name), group=group, tags=tags, config=config)
+        if kept["run_id"] is None:
+            run.remember("wandb", {**kept, "run_id": self.wb.id})
+        self.run = run
+        self._save_text("composed_config.yaml", run.composed_yaml())  # files/config.yaml is W&B's own
+
+    def _save_text(self, name: str, text: str) -> None:
+        path = Path(self.wb.dir) / name
+        path.write_text(text)
+        self.wb.save(str(path), base_path=self.wb.dir, policy="now")
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        sent = self.sent
+        if sent:
+            metrics = {k: v for k, v in metrics.items() if sent.get(k, -1) < step}
+        self.wb.log(dict(metrics), step=step)
+
+    def flush(self, now: bool) -> None:
+        """Nothing kept here: each point goes to W&B's own process as it is logged, which writes it."""
+
+    def close(self) -> None:
+        provenance = self.run.run_dir / "provenance.json"
+        if provenance.is_file():  # the app writes it in the background while the run starts
+            shutil.copy(provenance, Path(self.wb.dir) / provenance.name)
+            self.wb.save(str(Path(self.wb.dir) / provenance.name), base_path=self.wb.dir, policy="now")
+        self.wb.finish()
+
+
+def finish_run(kept: Mapping[str, Any], summary: dict[str, Any]) -> None:
+    """The summary (summary.json, and the run summary's keys) and the best checkpoint's path, once the run is over:
+    the same W&B run continued for them (the trainer's process may have been a spawned worker)."""
+    wb = _init(kept)
+    wb.summary.update({k: v for k, v in summary.items() if v is not None})
+    path = Path(wb.dir) / "summary.json"
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    wb.save(str(path), base_path=wb.dir, policy="now")
+    wb.finish(exit_code=1 if summary.get("status") == "failed" else 0)
+
+
+# The one exception to public APIs: wandb 0.31 has no reader of its own `.wandb` files (the Python DataStore of
+# earlier versions is gone), so this reads the transaction log's framing (LevelDB's log format, the header W&B
+# puts before it) and parses each record with wandb's protocol buffers (`wandb.proto.wandb_internal_pb2`, which
+# `wandb sync` also reads). A file with another header is refused by name, not misread.
+HEADER = struct.Struct("<4sHB")  # ":W&B", magic 0xBEE1, version 0
+RECORD_HEADER = struct.Struct("<IHB")  # crc32c, length, type
+BLOCK = 32 * 1024
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def records(path: Path) -> Iterator[Any]:
+    """Every record of a `.wandb` file, in order; a record cut short (a killed run's last) ends the file."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    if len(data) < HEADER.size:  # killed before its header was written
+        return
+    if HEADER.unpack_from(data) != (b":W&B", 0xBEE1, 0):
+        raise ValueError(f"{path}: not a W&B transaction log of version 0 (written by wandb 0.31)")
+    pos, parts = HEADER.size, b""
+    while pos + RECORD_HEADER.size <= len(data):
+        room = BLOCK - pos % BLOCK
+        if room < RECORD_HEADER.size:  # a block's tail too short for a header is padding
+            pos += room
+            continue
+        _, length, kind = RECORD_HEADER.unpack_from(data, pos)
+        body = data[pos + RECORD_HEADER.size : pos + RECORD_HEADER.size + length]
+        if len(body) < length:  # the write was cut short
+            return
+        if kind == 0:  # zeros: the rest of the block is padding
+            pos += room
+            continue
+        pos += RECORD_HEADER.size + length
+        parts += body
+        if kind in (FULL, LAST):
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # generated, no stubs
+            record.ParseFromString(parts)
+            parts = b""
+            yield record
+
+
+def history(path: Path) -> Iterator[dict[str, Any]]:
+    """A `.wandb` file's logged rows, each with its `_step`."""
+    for record in records(path):
+        if record.WhichOneof("record_type") == "history":
+            yield {item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+
+
+def run_files(where: Path, run_id: str) -> list[Path]:
+    """The `.wandb` files of one run under `where/wandb` (one per start: the first, each resume), oldest first."""
+    found = (where / "wandb").glob(f"*run-*/run-{run_id}.wandb")  # offline-run-*, run-* (online); not latest-run
+    return sorted(path for path in found if not path.parent.is_symlink())
+
+
+def held_after(where: Path, run_id: str, step: int) -> dict[str, int]:
+    """The steps after `step` that the run's files already hold, per metric: logged by the run that was killed."""
+    held: dict[str, int] = {}
+    for path in run_files(where, run_id):
+        for row in history(path):
+            at: Optional[int] = row.get("_step")
+            if at is not None and at > step:
+                for key in row:
+                    if not key.startswith("_"):
+                        held[key] = max(held.get(key, -1), at)
+    return held
