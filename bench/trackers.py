@@ -1,5 +1,5 @@
 """What the trackers cost a training step: experiment=bench (log_every_n_steps=50) with every backend on at once
-(logger=many: TensorBoard, CSV, MLflow on a SQLite store) against TensorBoard alone.
+(logger=many: TensorBoard, CSV, MLflow on a SQLite store, W&B offline) against TensorBoard alone.
 
     python bench/trackers.py                 # 5 repetitions of 4 epochs (1,024 steps) each
     python bench/trackers.py --reps 9 --epochs 6
@@ -13,7 +13,7 @@ store is made once before the first run, so every run opens an existing database
 
 On a machine whose speed varies between runs, that ratio's spread is wider than 5%. The script therefore also
 times the trackers alone: every scalar the last `many` run wrote to metrics.csv, replayed in this process, step by
-step, into a fresh CSV + MLflow pair (`Trackers`, as the run had them), with a flush at each epoch's end as the run
+step, into fresh CSV, MLflow and offline W&B trackers (`Trackers`, as the run had them), with a flush at each epoch's end as the run
 does; their time divided by the run's steps is the trackers' cost per step, set against TensorBoard alone's step
 time.
 """
@@ -38,7 +38,7 @@ def run(run_dir: Path, store: str, epochs: int, chosen: tuple[str, ...]) -> floa
             f"trainer.max_steps={epochs * STEPS_PER_EPOCH}", f"logger.mlflow.tracking_uri={store}", *chosen]
     if chosen == CONTENDERS["tensorboard"]:
         args.remove(f"logger.mlflow.tracking_uri={store}")  # not chosen: its key does not exist
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "WANDB_SILENT": "true"}
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
         raise SystemExit(proc.stdout + proc.stderr)
@@ -68,10 +68,12 @@ def replay(metrics_csv: Path, tmp: Path, store: str, epochs: int) -> tuple[float
     cfg = OmegaConf.create(
         {"name": "replay", "logger": {"csv": {"enabled": True, "filename": "metrics.csv"},
                                       "mlflow": {"enabled": True, "tracking_uri": store, "experiment_name": None,
-                                                 "run_name": None, "tags": {}}}}
+                                                 "run_name": None, "tags": {}},
+                    "wandb": {"enabled": True, "mode": "offline", "project": "bench", "entity": None, "dir": None,
+                              "group": None, "name": None, "tags": []}}}
     )
     trackers = Trackers.open(cfg, run_dir, None)
-    assert len(trackers.active) == 2, trackers.failed
+    assert len(trackers.active) == 3, trackers.failed
     clock = time.perf_counter
     start = clock()
     for step, metrics in sorted(by_step.items()):
@@ -110,7 +112,7 @@ def main() -> None:
         replayed = replay(Path(tmp) / f"{args.reps - 1}_many" / "metrics.csv", Path(tmp), store, args.epochs)
     step_ms, (per_step, commit, close) = statistics.median(times["tensorboard"]), replayed
     print(
-        f"trackers alone (CSV + MLflow, replayed): {per_step:.4f} ms per step = {per_step / step_ms:.2%} of "
+        f"trackers alone (CSV + MLflow + W&B offline, replayed): {per_step:.4f} ms per step = {per_step / step_ms:.2%} of "
         f"TensorBoard alone's {step_ms:.3f} ms/step; one MLflow commit (every 10 s, and after each evaluation) "
         f"{commit:.1f} ms = {commit / 10_000:.2%} of 10 s; closing, once a run, {close:.1f} ms"
     )
