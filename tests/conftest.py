@@ -50,10 +50,11 @@ def run_cli(run_dir: Path | None, *overrides: str, timeout: float = 180, env: di
 
 def run_process(args: list[str], *, cwd: Path = ROOT, env: dict[str, str] | None = None,
                 timeout: float = 180) -> subprocess.CompletedProcess:
-    """`subprocess.run(args, capture_output=True, text=True)` in run_env() updated with `env`: a Python script
-    (`python SCRIPT ...`) forked from the warm process, anything else (`-m`, `-c`, other programs) started fresh."""
+    """`subprocess.run(args, capture_output=True, text=True)` in run_env() updated with `env`: a Python script or
+    module (`python SCRIPT ...`, `python -m MODULE ...`) forked from the warm process, anything else (`-c`, other
+    programs) started fresh."""
     full_env = {**run_env(), **(env or {})}
-    if len(args) > 1 and args[0] == sys.executable and args[1].endswith(".py"):
+    if len(args) > 1 and args[0] == sys.executable and (args[1].endswith(".py") or args[1] == "-m" and len(args) > 2):
         return warm_starter().run(args, cwd=cwd, env=full_env, timeout=timeout)
     return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
 

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, output, read_scalars, run_cli
-from framework.callbacks import EMA, Callback, CallbackList, EarlyStopping, GradNormMonitor
+from conftest import output, read_scalars, run_cli, run_process
+from framework.callbacks import Callback, CallbackList, EarlyStopping
 from framework.checkpoint import open_checkpoint
 from framework.trainer import Trainer
 
@@ -191,8 +188,7 @@ def test_ema_weights_are_in_the_pickle_free_checkpoint_and_export_uses_them(tmp_
     averaged = {k.split("/weights/", 1)[1]: v for k, v in state.items() if k.startswith("/callbacks/ema/weights/")}
     raw = load_file(str(run / "checkpoints" / "last" / "model.safetensors"))
     assert set(averaged) == set(raw) and any(not torch.equal(averaged[k], raw[k]) for k in raw)
-    exported = subprocess.run([sys.executable, "-m", "framework.export", str(run), "--which", "last"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=120)
+    exported = run_process([sys.executable, "-m", "framework.export", str(run), "--which", "last"], timeout=120)
     assert exported.returncode == 0, exported.stdout + exported.stderr
     assert "EMA" in exported.stdout + exported.stderr
     weights = load_file(str(run / "export" / "model.safetensors"))

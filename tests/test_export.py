@@ -6,7 +6,6 @@ one line and exit code 1."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from conftest import ROOT, TESTS, make_mnist, on_pythonpath, output, run_cli
+from conftest import ROOT, TESTS, make_mnist, on_pythonpath, output, run_cli, run_process
 from framework import export, export_example, export_onnx
 from framework.errors import UserError
 from framework.instantiate import build
@@ -79,8 +78,7 @@ def rebuilt(run_dir: Path, weights: Path) -> torch.nn.Module:
 
 
 def export_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "framework.export", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **(env or {})})
+    return run_process([sys.executable, "-m", "framework.export", *args], env=env, timeout=120)
 
 
 def test_export_writes_torchscript_that_computes_what_the_exported_weights_do(run_dir):

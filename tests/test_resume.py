@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 
 from conftest import (ROOT, TESTS, assert_identical, final_state, on_pythonpath, one_error_line, output,
-                      read_scalars, run_cli, saved_config)
+                      read_scalars, run_cli, run_process, saved_config)
 from framework.checkpoint import open_checkpoint
 from framework.task import ClassificationTask, StepOutput
 
@@ -168,9 +167,8 @@ def test_a_config_file_of_the_users_own_comes_back_from_the_checkpoint(tmp_path)
     (extra / "tiny.yaml").write_text("_target_: framework.zoo.models.MLP\ninput_shape: ${data.input_shape}\n"
                                      "num_classes: ${data.num_classes}\nhidden: [16]\n")
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "--config-dir", str(tmp_path / "myconf"),
-                           f"hydra.run.dir={run_dir}", "model=tiny", "logger.progress_bar=false", *SHORT],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    proc = run_process([sys.executable, str(ROOT / "run.py"), "--config-dir", str(tmp_path / "myconf"),
+                        f"hydra.run.dir={run_dir}", "model=tiny", "logger.progress_bar=false", *SHORT])
     assert proc.returncode == 0, output(proc)
     proc = run_cli(None, f"resume={run_dir}", "trainer.max_steps=16", fast=False)  # no --config-dir this time
     assert proc.returncode == 0, output(proc)
@@ -204,12 +202,10 @@ def test_a_saved_config_naming_a_target_outside_the_users_code_is_refused_before
     line = one_error_line(run_cli(None, f"resume={run_dir}", fast=False))
     assert f"task.metrics.evil._target_={node['_target_']!r}" in line and "trust_saved_config=true" in line
     assert victim.read_text() == "precious"
-    export = subprocess.run([sys.executable, "-m", "framework.export", str(run_dir)], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
+    export = run_process([sys.executable, "-m", "framework.export", str(run_dir)], timeout=120)
     assert export.returncode == 0  # export builds only the model, whose targets are the project's own
     poison(run_dir, lambda config: config["model"].update(_target_=node["_target_"]))
-    export = subprocess.run([sys.executable, "-m", "framework.export", str(run_dir)], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
+    export = run_process([sys.executable, "-m", "framework.export", str(run_dir)], timeout=120)
     assert export.returncode == 1 and "model._target_" in export.stderr and "Traceback" not in export.stderr
     assert victim.read_text() == "precious"
 

@@ -11,8 +11,9 @@ and working directory, then executes run.py as `__main__` and exits through the 
 What a fork cannot give, `cold_only` sends to a fresh interpreter instead: anything that changes what the
 interpreter does *at start-up* (PYTHON* variables, the hash seed, the OpenMP or CUDA environment torch reads when
 it is imported). A `sitecustomize` on the run's PYTHONPATH (the kill hook) is imported by the child before run.py,
-as `site` would at start-up; the warm process itself is started without one. Tests of start-up itself (test_package, the entry points)
-always start fresh interpreters.
+as `site` would at start-up; the warm process itself is started without one. Tests of start-up itself
+(test_package, the entry points) always start fresh interpreters. `python -m MODULE` is forked too, and run as -m
+runs it (runpy.run_module).
 
 Protocol (a Unix socket): the client sends one JSON line {argv, env, cwd} with its stdout and stderr pipes'
 write ends attached (SCM_RIGHTS), and reads back two lines: the child's pid, then its wait status. The warm
@@ -188,10 +189,13 @@ def _become_run(request: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    script = os.path.abspath(request["argv"][0])
+    argv = request["argv"]
+    as_module = argv[1] if argv[0] == "-m" else None  # `python -m MODULE ...`: the working directory heads the path
+    script = None if as_module else os.path.abspath(argv[0])
     extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [os.path.dirname(script), *extra, *[p for p in sys.path[1:] if p not in extra]]
-    sys.argv[:] = request["argv"]
+    first = os.getcwd() if as_module else os.path.dirname(script)  # type: ignore[arg-type]
+    sys.path[:] = [first, *extra, *[p for p in sys.path[1:] if p not in extra and p != first]]
+    sys.argv[:] = argv[1:] if as_module else argv  # run_module puts the module's file in argv[0], as -m does
     sys.orig_argv[:] = [sys.executable, *request["argv"]]  # the command line `python run.py ...` would have had
     # What `site` does at start-up: import the first `sitecustomize` on the path (a test's kill hook, say).
     found = next((Path(folder, "sitecustomize.py") for folder in extra if Path(folder, "sitecustomize.py").exists()),
@@ -205,7 +209,13 @@ def _become_run(request: dict, fds: list[int]) -> None:
     sys.stdout = open(1, "w", closefd=False)  # fresh text streams over the new descriptors
     sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
     sys.stdin = open(0, "r", closefd=False)
-    runpy.run_path(script, run_name="__main__")
+    if as_module:
+        # A fresh `python -m framework.export` imports its package, then runs the module as __main__ only: a copy the
+        # warm process imported would make runpy warn of "unpredictable behaviour", which no real run prints.
+        sys.modules.pop(as_module, None)
+        runpy.run_module(as_module, run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(script, run_name="__main__")
 
 
 if __name__ == "__main__":
