@@ -306,10 +306,12 @@ _unit_test_running = {"id": ""}
 def pytest_configure(config: pytest.Config) -> None:
     for name, meaning in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {meaning}")
+    # Before the audit hook: torch's import runs `ldconfig -p` (cuda.pathfinder finding libdl), which the hook would
+    # blame on whichever unit test imports torch first.
+    import torch
+
     sys.addaudithook(_refuse_processes_in_unit_tests)
     if hasattr(config, "workerinput"):  # a pytest-xdist worker: one of `-n` processes sharing the cores
-        import torch
-
         # One intra-op thread each, as run_cli gives its runs: with torch's default of one per core, `-n 2` on two
         # cores runs four, whose OpenMP threads spin (the unit tier took 69 s instead of 44 s).
         torch.set_num_threads(1)
