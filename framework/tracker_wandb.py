@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import struct
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
 from omegaconf import DictConfig
 
+from framework.compat import wandb_records as records
 from framework.trackers import TrackedRun
 
 
@@ -115,47 +115,6 @@ def finish_run(kept: Mapping[str, Any], summary: dict[str, Any]) -> None:
     path.write_text(json.dumps(summary, indent=2) + "\n")
     wb.save(str(path), base_path=wb.dir, policy="now")
     wb.finish(exit_code=1 if summary.get("status") == "failed" else 0)
-
-
-# The one exception to public APIs: wandb 0.31 has no reader of its own `.wandb` files (the Python DataStore of
-# earlier versions is gone), so this reads the transaction log's framing (LevelDB's log format, the header W&B
-# puts before it) and parses each record with wandb's protocol buffers (`wandb.proto.wandb_internal_pb2`, which
-# `wandb sync` also reads). A file with another header is refused by name, not misread.
-HEADER = struct.Struct("<4sHB")  # ":W&B", magic 0xBEE1, version 0
-RECORD_HEADER = struct.Struct("<IHB")  # crc32c, length, type
-BLOCK = 32 * 1024
-FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
-
-
-def records(path: Path) -> Iterator[Any]:
-    """Every record of a `.wandb` file, in order; a record cut short (a killed run's last) ends the file."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    if len(data) < HEADER.size:  # killed before its header was written
-        return
-    if HEADER.unpack_from(data) != (b":W&B", 0xBEE1, 0):
-        raise ValueError(f"{path}: not a W&B transaction log of version 0 (written by wandb 0.31)")
-    pos, parts = HEADER.size, b""
-    while pos + RECORD_HEADER.size <= len(data):
-        room = BLOCK - pos % BLOCK
-        if room < RECORD_HEADER.size:  # a block's tail too short for a header is padding
-            pos += room
-            continue
-        _, length, kind = RECORD_HEADER.unpack_from(data, pos)
-        body = data[pos + RECORD_HEADER.size : pos + RECORD_HEADER.size + length]
-        if len(body) < length:  # the write was cut short
-            return
-        if kind == 0:  # zeros: the rest of the block is padding
-            pos += room
-            continue
-        pos += RECORD_HEADER.size + length
-        parts += body
-        if kind in (FULL, LAST):
-            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # generated, no stubs
-            record.ParseFromString(parts)
-            parts = b""
-            yield record
 
 
 def history(path: Path) -> Iterator[dict[str, Any]]:

@@ -95,7 +95,7 @@ def test_help_lists_the_groups_options_without_internal_schemas(tmp_path: Path) 
     proc = run_cli(None, "--help", fast=False)
     assert proc.returncode == 0, output(proc)
     assert_in(proc.stdout, "precision: amp, bf16, fp16, fp32\n", "trainer: default\n",
-              "logger: csv, many, mlflow, tensorboard\n")
+              "logger: csv, many, mlflow, tensorboard, wandb\n")
     assert "schema" not in proc.stdout
 
 

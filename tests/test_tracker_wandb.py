@@ -7,7 +7,10 @@ compared with TensorBoard's events. Every test that opens a W&B run is e2e: wand
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -24,14 +27,19 @@ SMALL = ("logger.progress_bar=false", "trainer.max_epochs=2", "trainer.limit_tra
 
 
 @pytest.fixture
-def offline(tmp_path, monkeypatch) -> dict[str, str]:
-    """W&B's environment for a test: offline, quiet, its settings, caches and default directory in tmp_path."""
+def offline(tmp_path, monkeypatch) -> Iterator[dict[str, str]]:
+    """W&B's environment for a test: offline, quiet, its settings, caches and default directory in tmp_path. A run
+    trained in this process starts a W&B service here and names it in WANDB_SERVICE, which every process started
+    later would inherit and use instead of its own: the service is stopped and the variable removed afterwards."""
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path / "wandb_dir"),
            "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"), "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache"),
            "WANDB_DATA_DIR": str(tmp_path / "wandb_data")}
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    return env
+    yield env
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()
+    os.environ.pop("WANDB_SERVICE", None)
 
 
 def train(compose, run_dir: Path, *overrides: str, resume_from: Path | None = None) -> dict:
@@ -154,6 +162,10 @@ class KillWandbService(Callback):
                 continue
             if stat.split(") ")[1].split()[1] == str(os.getpid()) and "wandb-core" in stat:
                 os.kill(int(pid), signal.SIGKILL)
+                try:  # dead before the next point is logged, which then fails at once (it is this process's child)
+                    os.waitpid(int(pid), 0)
+                except ChildProcessError:  # wandb reaped it first
+                    pass
 '''
 
 
