@@ -269,8 +269,9 @@ class DataModule:
                 "expected a map-style dataset (__len__ and __getitem__)"
             )
         shard = EpochSampler(len(cast(Sized, dataset)), shuffle=False, rank=rank, world_size=world_size, pad=False)
-        indices = [i for i in shard.order().tolist() if i not in skip]
-        order = torch.tensor(indices, dtype=torch.int64)
+        order = shard.order().to(torch.int64)
+        if skip:  # (a Python loop over every index costs ~0.3 us each: a tenth of a small model's time per sample)
+            order = order[~torch.isin(order, torch.tensor(sorted(skip), dtype=torch.int64))]
         size = self.eval_batch_size
         tensors = dataset_tensors(dataset)
         if tensors is not None and self.loader_options["num_workers"] == 0 and self.collate_fn is None:
@@ -283,7 +284,7 @@ class DataModule:
                     yield rows, tuple(t.index_select(0, rows.to(t.device)) for t in tensors)
             return
         loader = DataLoader(
-            Subset(dataset, indices),
+            Subset(dataset, order.tolist()),
             batch_size=size,
             shuffle=False,
             generator=generator(worker_seed(seed, 0, rank)),
