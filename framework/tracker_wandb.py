@@ -82,6 +82,10 @@ class WandbTracker:
         if kept["run_id"] is None:
             run.remember("wandb", {**kept, "run_id": self.wb.id})
         self.run = run
+        # One `Run.log` per step (~0.2 ms each): a step's metrics come in several calls (the train log, the LR, perf/,
+        # an evaluation's), gathered here until a later step arrives or the metric logger flushes.
+        self._step: Optional[int] = None
+        self._row: dict[str, float] = {}
         self._save_text("composed_config.yaml", run.composed_yaml())  # files/config.yaml is W&B's own
 
     def _save_text(self, name: str, text: str) -> None:
@@ -93,12 +97,22 @@ class WandbTracker:
         sent = self.sent
         if sent:
             metrics = {k: v for k, v in metrics.items() if sent.get(k, -1) < step}
-        self.wb.log(dict(metrics), step=step)
+        if step != self._step:
+            self._send()
+            self._step = step
+        self._row.update(metrics)
+
+    def _send(self) -> None:
+        if self._row:
+            row, self._row = self._row, {}
+            self.wb.log(row, step=self._step)
 
     def flush(self, now: bool) -> None:
-        """Nothing kept here: each point goes to W&B's own process as it is logged, which writes it."""
+        """The step gathered so far goes to W&B's own process, which writes it."""
+        self._send()
 
     def close(self) -> None:
+        self._send()
         provenance = self.run.run_dir / "provenance.json"
         if provenance.is_file():  # the app writes it in the background while the run starts
             shutil.copy(provenance, Path(self.wb.dir) / provenance.name)
