@@ -1,14 +1,19 @@
 """One run per directory: the lock a run holds on its directory, and cleaning up after an attempt refused or a
 fast_dev_run (which keeps nothing).
 
-The lock is `fcntl.flock` on `RUN_DIR/.lock`, held for the life of the process: the kernel releases it when
-the process dies however it dies, so a lock left by a killed run is simply free again (no stale-PID
-guessing). The file records the holder's PID and host for the error message of a second process.
+The lock is a POSIX record lock (`fcntl.lockf`) on `RUN_DIR/.lock`, held for the life of the process: the kernel
+releases it when the process dies however it dies, so a lock left by a killed run is simply free again (no
+stale-PID guessing). Not `flock`: a flock belongs to the open file, which forked children share (DataLoader
+workers), so a run SIGKILLed with workers kept its directory locked until they noticed (seconds), and an
+immediate `resume=` was refused naming a dead PID; a record lock belongs to the process alone. It also holds over
+NFS, where flock may be local to one machine. The file records the holder's PID and host for the error message of
+a second process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -40,8 +45,11 @@ class RunDirLock:
                 "expected a directory this user can write"
             ) from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EACCES, errno.EAGAIN):
+                os.close(fd)
+                raise
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
             raise ConfigError(

@@ -55,19 +55,27 @@ def test_two_resumes_of_one_run_at_once_leave_one_history(tmp_path):
         first.communicate(timeout=60)
 
 
-def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path):
+def test_a_lock_left_by_a_killed_run_is_taken_over_while_its_forked_children_live_on(tmp_path):
+    """The holder forks a child after taking the lock, as a run's DataLoader workers are forked, and is SIGKILLed; the
+    child lives on (workers notice their parent's death only seconds later). A resume at once is accepted."""
     run_dir = tmp_path / "run"
     assert run_cli(run_dir, *SHORT, "checkpoint.every_n_steps=2").returncode == 0
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from framework.rundir import RunDirLock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; from framework.rundir import RunDirLock\n"
                                f"with RunDirLock(__import__('pathlib').Path({str(run_dir)!r})):\n"
-                               "    print('locked', flush=True); time.sleep(600)"],
+                               "    child = os.fork()\n"
+                               "    if child == 0: time.sleep(600); os._exit(0)\n"
+                               "    print(child, flush=True); time.sleep(600)"],
                               cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "locked"
-    holder.kill()
-    holder.wait(timeout=30)
-    assert (run_dir / LOCK_FILE).read_text().startswith(f"PID {holder.pid}")  # the file stays; its lock does not
-    proc = run_cli(None, f"resume={run_dir}", "trainer.max_steps=9", fast=False)
-    assert proc.returncode == 0, output(proc)
+    child = int(holder.stdout.readline())
+    try:
+        holder.kill()
+        holder.wait(timeout=30)
+        assert (run_dir / LOCK_FILE).read_text().startswith(f"PID {holder.pid}")  # the file stays; its lock does not
+        os.kill(child, 0)  # still alive
+        proc = run_cli(None, f"resume={run_dir}", "trainer.max_steps=9", fast=False)
+        assert proc.returncode == 0, output(proc)
+    finally:
+        os.kill(child, signal.SIGKILL)
 
 
 def test_a_run_refused_at_start_leaves_no_run_directory(tmp_path):
