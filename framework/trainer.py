@@ -196,7 +196,7 @@ class Trainer(Run):
         if self.data.has("val") and p.last_val_step != p.step:
             self._validate()
         if self.checkpoints.save_last and self.checkpoints.saved_step != p.step:
-            self.checkpoints.save(self.state, p.step, periodic=False)
+            self._save(periodic=False)
         self.checkpoints.writer.close()  # every checkpoint on disk before the summary names them
         self._quiet_hook("on_train_end")
         if self.cfg.trainer.test and self.data.has("test"):
@@ -232,7 +232,15 @@ class Trainer(Run):
         if self.scheduler is not None:
             self.scheduler.after_epoch(p.epoch)
         periodic = self.checkpoints.due_periodic(p.step, completed_epochs=p.epoch)
-        self.checkpoints.save(self.state, p.step, periodic=periodic, metrics=val)
+        self._save(periodic=periodic, metrics=val)
+
+    def _save(self, *, periodic: bool, metrics: Optional[dict[str, float]] = None) -> None:
+        """A checkpoint at this step, once the trackers hold every point logged so far (MLflow keeps points for up
+        to 10 s): a run killed after this checkpoint resumes from it and logs only what came after, so a point
+        still kept in memory at the kill would be missing from the tracker for good."""
+        if self.checkpoints.will_save(periodic=periodic, metrics=metrics):
+            self.logger.flush(trackers_now=True)
+        self.checkpoints.save(self.state, self.progress.step, periodic=periodic, metrics=metrics)
 
     def _report_epoch(self, train: dict[str, float], val: Optional[dict[str, float]]) -> None:
         started, first_step = self._started_at
@@ -354,9 +362,9 @@ class Trainer(Run):
         periodic = checkpoints.every_n_steps > 0  # mid-epoch saves happen by step only
         if mid_epoch and val_every and p.step % val_every == 0:
             val = self._validation_round()
-            checkpoints.save(self.state, p.step, periodic=periodic and checkpoints.due_periodic(p.step), metrics=val)
+            self._save(periodic=periodic and checkpoints.due_periodic(p.step), metrics=val)
         elif mid_epoch and periodic and checkpoints.due_periodic(p.step):
-            checkpoints.save(self.state, p.step, periodic=True)
+            self._save(periodic=True)
         return self.stop.granted(p) or 0 < self.max_steps <= p.step
 
     def _flush_train_log(self) -> None:
@@ -372,6 +380,7 @@ class Trainer(Run):
     def _stop_on_signal(self, signum: int, watch: Any) -> None:
         """Save `last` at this exact position (mid-epoch included), then end the run."""
         self.bar.close()
+        self.logger.flush(trackers_now=True)  # as _save: the trackers hold what `last` resumes after
         self.checkpoints.save_now(self.state, self.progress.step, "last")
         self.checkpoints.writer.wait()
         p = self.progress

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -130,6 +131,26 @@ def test_a_resume_continues_the_same_mlflow_run_with_one_point_per_step(compose,
     rows = read_csv(run_dir / "metrics.csv")
     assert [step for step, _ in rows["train/loss"]] == [1, 2, 3, 4, 5, 6]
     assert as_float32(rows["train/loss"]) == read_scalars(run_dir)["train/loss"]
+
+
+@pytest.mark.e2e
+def test_a_run_sigkilled_after_a_checkpoint_leaves_mlflow_every_point_up_to_it(tmp_path, store):
+    """MLflow points are kept up to 10 s before a commit; a checkpoint is written only once the points logged up to
+    it are committed. Killed at step 10 and resumed from its last checkpoint, the run re-logs only what came after
+    it, and the MLflow run still holds every train/loss point TensorBoard holds, once each."""
+    run_dir = tmp_path / "run"
+    chosen = ("logger=[tensorboard,mlflow]", f"logger.mlflow.tracking_uri={store}", "logger.progress_bar=false",
+              "trainer.max_steps=16", "trainer.log_every_n_steps=2", "checkpoint.every_n_steps=4",
+              "trainer.test=false")
+    kill = {"PYTHONPATH": on_pythonpath(KILLHOOK), "KILL_AT_STEP": "10", "KILL_SIGNAL": "SIGKILL"}
+    killed = run_cli(run_dir, *chosen, env=kill)
+    assert killed.returncode == -9, output(killed)
+    resumed = run_cli(None, f"resume={run_dir}")
+    # From step 8's checkpoint, or step 4's where the kill came while step 8's was still being written behind.
+    assert resumed.returncode == 0 and re.search(r"at step [48] \(", output(resumed)), output(resumed)
+    run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]["run_id"]
+    steps = [step for step, _ in mlflow_series(store, run_id, "train/loss")]
+    assert steps == [step for step, _ in read_scalars(run_dir)["train/loss"]] == list(range(2, 17, 2))
 
 
 def test_csv_is_cut_back_to_the_checkpoint_step_on_resume(tmp_path):

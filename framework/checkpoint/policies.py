@@ -80,6 +80,11 @@ class CheckpointManager:
         value = metrics[self.monitor]
         return value > worst if self.mode == "max" else value < worst
 
+    def will_save(self, *, periodic: bool, metrics: Optional[dict[str, float]] = None) -> bool:
+        """Whether `save` with these arguments writes a checkpoint (the caller first makes what the checkpoint
+        resumes from durable elsewhere: the trackers' kept points)."""
+        return periodic or self.improves(metrics) or self.save_last
+
     def save(self, state: Snapshot, step: int, *, periodic: bool, metrics: Optional[dict[str, float]] = None) -> None:
         """Write once (as `step-N` when a policy keeps it, else as `last`) and link the other names to it.
 
