@@ -23,20 +23,7 @@ from typing import Any, Iterator, Mapping, Optional
 from omegaconf import DictConfig
 
 from framework.compat import wandb_records as records
-from framework.trackers import TrackedRun
-
-
-def values(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """The config flattened to dotted keys with its values kept as they are (numbers stay numbers: W&B's tables
-    and parallel-coordinates charts compare them); lists as JSON, as `trackers.flatten` writes them."""
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(values(value, f"{name}."))
-        else:
-            flat[name] = json.dumps(value) if isinstance(value, (list, dict)) else value
-    return flat
+from framework.trackers import TrackedRun, flat_values
 
 
 def _settings() -> Any:
@@ -77,7 +64,7 @@ class WandbTracker:
         kept = {**kept, "dir": str(where), "mode": str(settings.mode)}  # a resumed run may go online
         group = settings.group or (run.sweep_parent("wandb_sweep") or {}).get("group")
         tags = [run.run_dir.name, *map(str, settings.tags or [])]  # tags are short: the full path is in the config
-        config = {"run_dir": str(run.run_dir.resolve()), **values(run.config)}
+        config = {"run_dir": str(run.run_dir.resolve()), **flat_values(run.config)}
         self.wb = _init(kept, name=str(settings.name or run.run_dir.name), group=group, tags=tags, config=config)
         if kept["run_id"] is None:
             run.remember("wandb", {**kept, "run_id": self.wb.id})

@@ -79,16 +79,22 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
-def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """`{"optimizer": {"lr": 0.1}}` as `{"optimizer.lr": "0.1"}`: the params a tracker's comparison view shows."""
-    flat: dict[str, str] = {}
+def flat_values(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{"optimizer": {"lr": 0.1}}` as `{"optimizer.lr": 0.1}`, each value kept as it is (W&B's tables compare
+    numbers), a list or an empty mapping as JSON text."""
+    flat: dict[str, Any] = {}
     for key, value in config.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping) and value:
-            flat.update(flatten(value, f"{name}."))
+            flat.update(flat_values(value, f"{name}."))
         else:
-            flat[name] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+            flat[name] = json.dumps(value) if isinstance(value, (list, dict)) else value
     return flat
+
+
+def flatten(config: Mapping[str, Any]) -> dict[str, str]:
+    """`{"optimizer": {"lr": 0.1}}` as `{"optimizer.lr": "0.1"}`: the params a tracker's comparison view shows."""
+    return {name: str(value) for name, value in flat_values(config).items()}
 
 
 class CsvTracker:
