@@ -236,8 +236,7 @@ class Trainer(Run):
 
     def _save(self, *, periodic: bool, metrics: Optional[dict[str, float]] = None) -> None:
         """A checkpoint at this step, once the trackers hold every point logged so far (MLflow keeps points for up
-        to 10 s): a run killed after this checkpoint resumes from it and logs only what came after, so a point
-        still kept in memory at the kill would be missing from the tracker for good."""
+        to 10 s): a run resumed from it logs only what came after, so a point still kept at a kill is lost."""
         if self.checkpoints.will_save(periodic=periodic, metrics=metrics):
             self.logger.flush(trackers_now=True)
         self.checkpoints.save(self.state, self.progress.step, periodic=periodic, metrics=metrics)

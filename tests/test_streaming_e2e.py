@@ -86,6 +86,8 @@ def run(run_dir: Path | None, args: tuple[str, ...], shards, kill_at: int | None
     env = {"PYTHONPATH": on_pythonpath(shards[2], *([KILLHOOK] if kill_at else []))}
     if kill_at:
         env.update(KILL_AT_STEP=str(kill_at), KILL_SIGNAL="SIGKILL")
+        if run_dir is not None:  # the first periodic save (step 4) written behind the loop is on disk first
+            env.update(KILL_WHEN_EXISTS=str(run_dir / "checkpoints" / "step-4"))
     proc = run_cli(run_dir, *args, fast=False, env=env)
     if kill_at is None:
         assert proc.returncode == 0, output(proc)

@@ -44,6 +44,9 @@ STARTUP_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "LD
                "PYTHONDEVMODE", "PYTHONUTF8", "PYTHONIOENCODING", "PYTHONHOME", "PYTHONEXECUTABLE")
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
 class WarmStarter:
     """A warm process for one pytest worker; `run` is `subprocess.run([python, script, *args], ...)`."""
 
@@ -76,7 +79,11 @@ class WarmStarter:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.address)
-            request = json.dumps({"argv": args[1:], "env": dict(env), "cwd": str(cwd)}).encode() + b"\n"
+            # Which stop signals this process ignores now: a fresh interpreter started from here inherits that
+            # (and the framework leaves an ignored SIGINT alone), whatever the warm process inherited at its start.
+            ignored = [int(s) for s in STOP_SIGNALS if signal.getsignal(s) is signal.SIG_IGN]
+            request = json.dumps({"argv": args[1:], "env": dict(env), "cwd": str(cwd), "ignored": ignored}).encode()
+            request += b"\n"
             socket.send_fds(conn, [request], [out_write, err_write])
         finally:
             os.close(out_write)
@@ -186,6 +193,9 @@ def _become_run(request: dict, fds: list[int]) -> None:
     os.dup2(fds[1], 2)
     for fd in (devnull, *fds):
         os.close(fd)
+    for sig in STOP_SIGNALS:  # as a fresh interpreter started by the client would have them
+        default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+        signal.signal(sig, signal.SIG_IGN if int(sig) in request["ignored"] else default)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])

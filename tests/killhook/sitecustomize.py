@@ -9,7 +9,9 @@ not even import torch.
 With $KILL_AT_STEP=N and $KILL_SIGNAL=SIGTERM|SIGKILL, torch's global optimizer-step post hook counts the
 optimizer steps actually taken and, right after the N-th, sends the signal: whatever the task, model,
 optimizer or precision of the run, the interruption comes at the same point of training every time.
-With $KILL_ONCE_FILE, only the first process to reach that step is signalled (a restarted one is not).
+With $KILL_ONCE_FILE, only the first process to reach that step is signalled (a restarted one is not). With
+$KILL_WHEN_EXISTS=PATH, the signal waits (up to 120 s) until PATH exists: a checkpoint written in the background
+is on disk before the kill, however slow the machine (a test that needs something to resume from).
 """
 import os
 import signal
@@ -32,6 +34,13 @@ def _kill_after_step(at_step: int, signum: signal.Signals) -> None:
                 os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             except FileExistsError:
                 return
+        wait_for = os.environ.get("KILL_WHEN_EXISTS")
+        if wait_for:
+            import time
+
+            deadline = time.monotonic() + 120
+            while not os.path.exists(wait_for) and time.monotonic() < deadline:
+                time.sleep(0.01)
         # A DDP worker's SIGTERM goes to its parent, which forwards it to every worker as it would a user's, and
         # so does a cluster's signal (USR1, USR2) to a worker `run.py` spawned: SLURM and submitit signal the job's
         # process. SIGKILL goes to this process: rank 0 dies, and the parent must end the other workers.
