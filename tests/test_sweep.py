@@ -259,6 +259,9 @@ def test_a_sweep_run_again_in_its_directory_keeps_every_jobs_records(tmp_path):
 def test_a_stop_signal_ends_a_sequential_sweep_and_the_same_command_continues_it(tmp_path, signal_name):
     """Hydra's basic launcher runs the jobs one after another in the sweep's process: Ctrl-C or scancel's SIGTERM
     stopped the running job (saved) and the sweep went on to the next one."""
+    # A suite started in the background by a shell without job control (`make test &`) ignores SIGINT, and so does
+    # every process it starts, as the framework then leaves it: this test is about a terminal's Ctrl-C.
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (conftest restores this worker's handler after)
     jobs = ("optimizer.lr=0.05,0.1,0.2", "checkpoint=default", "trainer.max_epochs=2")
     killhook = {"PYTHONPATH": str(Path(__file__).parent / "killhook"), "KILL_AT_STEP": "4",
                 "KILL_SIGNAL": signal_name, "KILL_ONCE_FILE": str(tmp_path / "once")}
