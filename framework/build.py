@@ -18,6 +18,7 @@ from framework.callbacks import Callback, CallbackList, Timer
 from framework.checkpoint import CheckpointManager, check_compatible, load_weights
 from framework.data import DataModule
 from framework.errors import ConfigError
+from framework.folds import write_record as write_fold_record
 from framework.instantiate import build, locate
 from framework.optim import build_optimizer, build_scheduler
 from framework.parallel import Strategy
@@ -53,6 +54,8 @@ def limit(value: Union[int, float], available: int) -> int:
 def build_components(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Components:
     t, fast_dev_run = cfg.trainer, cfg.trainer.fast_dev_run
     data = build_data(cfg, strategy)
+    if data.fold_split is not None and strategy.is_rank_zero:  # data.folds: the fold's samples, kept with the run
+        write_fold_record(data.fold_split, run_dir)
     task, model_attr = build_task(cfg)
     task_hooks.refuse_replaced(task)
     task_hooks.call_if_defined(task, "setup", cfg.get("stage", "fit"))  # before placing and wrapping, as Lightning

@@ -11,6 +11,9 @@ resumed at batch k of an epoch sees exactly the batches an uninterrupted run wou
 
 A split that is a `torch.utils.data.IterableDataset` (WebDataset shards, a token stream, any generator) is a
 `framework.streaming.Stream`: the same `batches(split, epoch, start_batch)`, every sample once per epoch.
+
+`folds=K, fold=i` (k-fold cross-validation, framework/folds.py): fold i of the train split is the val split, the
+other folds the train split.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Optio
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Subset
 
+from framework import folds as kfold
 from framework.errors import ConfigError, UserError
 from framework.instantiate import FULL_ERROR_HINT, error_line
 from framework.reproducibility import generator, worker_seed
@@ -127,8 +131,13 @@ class DataModule:
         train_shards: Optional[str] = None,
         val_shards: Optional[str] = None,
         test_shards: Optional[str] = None,
+        folds: Optional[int] = None,
+        fold: Optional[int] = None,
     ) -> None:
         self.datasets = {"train": train, "val": val, "test": test}
+        kfold.check(folds, fold)
+        self.folds, self.fold = folds, fold
+        self.fold_split: Optional[kfold.FoldSplit] = None  # made by setup, from the run's seed
         self.num_classes, self.input_shape, self.root = num_classes, input_shape, root
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
@@ -154,6 +163,8 @@ class DataModule:
 
     def setup(self, seed: int, rank: int = 0, world_size: int = 1) -> None:
         """Build one loader per split; they are reused every epoch (so persistent workers persist)."""
+        if self.folds is not None and self.fold is not None and self.fold_split is None:
+            self._cut_fold(seed)
         for split, dataset in self.datasets.items():
             if dataset is None:
                 continue
@@ -180,6 +191,17 @@ class DataModule:
             else:
                 loader = self._data_loader(split, sampler)
             self._loaders[split] = (sampler, loader)
+
+    def _cut_fold(self, seed: int) -> None:
+        """data.folds/data.fold: the val split is fold `fold` of the train split, the train split the other folds
+        (stratified by label when the data names its classes: num_classes)."""
+        assert self.folds is not None and self.fold is not None
+        train = self.datasets["train"]
+        assert train is not None  # the constructor's first argument
+        _check_dataset("train", train)
+        made = kfold.make(train, self.folds, self.fold, seed, stratify=self.num_classes is not None)
+        self.datasets["train"], self.datasets["val"] = kfold.subset(train, made.train), kfold.subset(train, made.val)
+        self.fold_split = made
 
     def _stream(self, split: str, dataset: IterableDataset, seed: int, rank: int, world_size: int) -> Stream:
         train = split == "train"

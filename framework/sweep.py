@@ -3,8 +3,10 @@
 `SweepSummary` is a Hydra callback (conf/config.yaml, `hydra.callbacks`). When a multirun ends it reads
 every job's `summary.json`, writes `summary.csv` in the sweep directory (one row per job: directory, every swept
 key, every metric any job recorded, status, seconds), prints the table best job first (and mean ± std over
-seeds when the sweep varies `seed` beside other keys), and exits non-zero if any job failed. Jobs never
-stop a sweep: the app records a failed job's error in its `summary.json` and returns (see app.py).
+seeds when the sweep varies `seed` beside other keys), and exits non-zero if any job failed. A sweep over
+`data.fold` (k-fold cross-validation) adds, for each group of jobs that differ only in it, a row of every metric's
+mean ± std over the folds (`fold_rows`). Jobs never stop a sweep: the app records a failed job's error in its
+`summary.json` and returns (see app.py).
 
 `${sweep_subdir:}` (conf/config.yaml, `hydra.sweep.subdir`) names a job's directory after the keys the sweep
 varies only: `-m optimizer.lr=0.01,0.1 trainer.max_epochs=3` gives `0_optimizer.lr=0.01`, not every override.
@@ -307,6 +309,45 @@ def seed_stats(rows: list[dict[str, Any]], swept: list[str], metric: str) -> Opt
     return "\n".join(lines)
 
 
+FOLD_KEY = "data.fold"  # a sweep over it (k-fold cross-validation, framework/folds.py) gets mean ± std rows
+FOLDS_ROW = "mean ± std over folds"  # the `job` cell of such a row
+
+
+def fold_rows(rows: list[dict[str, Any]], swept: list[str], metrics: list[str], mode: str) -> list[dict[str, Any]]:
+    """For each group of jobs that differ only in data.fold: one row of each metric's mean ± std over its folds
+    that ended ok, best objective first (the objective is `metrics[0]`). Its `data.fold` cell counts the folds; its
+    status is ok when every fold of the group is. Empty when the sweep does not sweep data.fold."""
+    if FOLD_KEY not in swept:
+        return []
+    others = [k for k in swept if k != FOLD_KEY]
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for job_row in rows:
+        if job_row.get(FOLD_KEY, "") != "":
+            groups.setdefault(tuple(job_row[k] for k in others), []).append(job_row)
+    out, means = [], []
+    for setting, jobs in groups.items():
+        ok = [job for job in jobs if job["status"] == "ok"]
+        row: dict[str, Any] = {"job": FOLDS_ROW, **dict(zip(others, setting))}
+        row[FOLD_KEY] = f"{len(ok)} of {len(jobs)} folds"
+        for name in metrics:
+            values = [float(j[name]) for j in ok if isinstance(j.get(name), (int, float)) and not math.isnan(j[name])]
+            std = statistics.stdev(values) if len(values) > 1 else 0.0
+            row[name] = f"{statistics.mean(values):.4f} ± {std:.4f}" if values else ""
+        failed = sorted((j for j in jobs if j["status"] != "ok"), key=lambda j: str(j[FOLD_KEY]))
+        row["status"] = "ok" if not failed else "incomplete"
+        row["seconds"] = round(sum(float(j["seconds"]) for j in jobs if isinstance(j.get("seconds"), (int, float))), 3)
+        row["error"] = ", ".join(f"fold {j[FOLD_KEY]} {j['status']}" for j in failed)
+        out.append(row)
+        first = [float(j[metrics[0]]) for j in ok if isinstance(j.get(metrics[0]), (int, float))]
+        means.append(statistics.mean(first) if first else math.nan)
+
+    def key(i: int) -> tuple[bool, float]:  # as `rank`: best first, groups without the objective last
+        return (math.isnan(means[i]), -means[i] if mode == "max" else means[i])
+
+    order = sorted(range(len(out)), key=key)
+    return [out[i] for i in order]
+
+
 def objective(config: DictConfig) -> tuple[str, str]:
     """The metric each job returns to the sweeper (app._run) and whether larger ("max") or smaller is better."""
     monitor = config.checkpoint.get("monitor")
@@ -383,18 +424,19 @@ def report(config: DictConfig, sweep_dir: Optional[Path], declared: Collection[s
     rows, swept, metrics = collect(sweep_dir, metric, declared)
     if not rows:
         return False
-    rows = rank(rows, metric, mode)
+    rows = rank(rows, metric, mode) + fold_rows(rows, swept, metrics, mode)
     write_csv(sweep_dir / "summary.csv", rows)
     # Readable at a terminal: the objective and the val/best/test metrics; train/* and the rest are in the csv.
     shown = [m for m in metrics if m == metric or ("/" in m and m.split("/", 1)[0] in TABLE_GROUPS)]
     columns = ["job", *swept, *shown, "status", "seconds"]
-    print(f"\nSweep summary ({len(rows)} jobs, best {metric} first): {sweep_dir / 'summary.csv'}")
+    jobs = sum(row["job"] != FOLDS_ROW for row in rows)
+    print(f"\nSweep summary ({jobs} jobs, best {metric} first): {sweep_dir / 'summary.csv'}")
     print(format_table(rows, columns))
     stats = seed_stats(rows, swept, metric)
     if stats:
         print(stats)
     print(f"Compare them with:  tensorboard --logdir {sweep_dir}")
-    failed = [row for row in rows if row["status"] not in ("ok", DRY_RUN)]
+    failed = [row for row in rows if row["status"] not in ("ok", DRY_RUN) and row["job"] != FOLDS_ROW]
     for row in failed:
         log.error("Job %s %s: %s", row["job"], row["status"], row["error"])
     return bool(failed)
