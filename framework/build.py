@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 import torch
 from omegaconf import DictConfig
 
-from framework import startup, task_hooks
+from framework import activation_checkpointing, startup, task_hooks
 from framework.callbacks import Callback, CallbackList, Timer
 from framework.checkpoint import CheckpointManager, check_compatible, load_weights
 from framework.data import DataModule
@@ -61,6 +61,9 @@ def build_components(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Comp
     task_hooks.call_if_defined(task, "setup", cfg.get("stage", "fit"))  # before placing and wrapping, as Lightning
     model: Any = place(cfg, task, model_attr, strategy)
     precision = Precision(cfg.precision.mode.value, strategy.device)
+    # Activation checkpointing, then compile, then the DDP/FSDP wrapping (torchtitan's order): the recompute sits
+    # inside what is compiled, and FSDP's hooks around the recomputed modules.
+    activation_checkpointing.apply(model, cfg.parallel)
     if t.compile:
         model = torch.compile(model)
     # Wrapped before the optimizer is built: FSDP replaces the parameters by their shards (DTensors), which

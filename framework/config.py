@@ -27,6 +27,15 @@ from framework.signals import parse as parse_signal
 
 
 @dataclass
+class ProfilerScheduleConfig:
+    """trainer.profiler=pytorch's window of optimizer steps, as torch.profiler.schedule takes it."""
+
+    wait: int = 1  # steps untraced first
+    warmup: int = 1  # then traced and dropped (the profiler's own start-up)
+    active: int = 3  # then traced and kept
+
+
+@dataclass
 class TrainerConfig:
     max_epochs: int = 20
     max_steps: int = -1  # optimizer steps; -1 means "no limit" (Lightning's convention)
@@ -59,6 +68,11 @@ class TrainerConfig:
     device: str = "auto"
     # glibc malloc with fixed thresholds, so a step's freed tensors serve the next step (framework/allocator.py)
     malloc_tuning: bool = True
+    # Where the time goes (framework/profiler.py): null, simple (a table of time per phase at the end) or pytorch (a
+    # torch.profiler trace of profiler_schedule's steps per rank, under RUN_DIR/profiler/, cut to profiler_max_mb).
+    profiler: Optional[str] = None
+    profiler_schedule: ProfilerScheduleConfig = field(default_factory=ProfilerScheduleConfig)
+    profiler_max_mb: float = 100.0
 
 
 @dataclass
@@ -161,6 +175,10 @@ class ParallelConfig:
     shard_modules: Optional[list[str]] = None
     reshard_after_forward: bool = True
     cpu_offload: bool = False
+    # Modules recomputed in backward (framework/activation_checkpointing.py): none, full (every block / shard
+    # unit) or selective (the module classes named in activation_checkpointing_modules).
+    activation_checkpointing: str = "none"
+    activation_checkpointing_modules: Optional[list[str]] = None
 
 
 @dataclass
@@ -261,7 +279,7 @@ LIGHTNING_NAMES: dict[str, Home] = {
     "benchmark": _none("set torch.backends.cudnn.benchmark in your own code"),
     "inference_mode": _none("evaluation runs under torch.no_grad"),
     "use_distributed_sampler": _NO_SAMPLER,
-    "profiler": _none("there is no profiler yet"),
+    "profiler": Home("trainer.profiler", "simple or pytorch"),
     "barebones": _none(
         "turn the extras off one by one: logger.tensorboard=false logger.progress_bar=false "
         "checkpoint=none callbacks=none"
@@ -554,11 +572,31 @@ def _check_trainer(t: DictConfig) -> None:
     for key in ("limit_train_batches", "limit_val_batches", "limit_test_batches"):
         _check_limit(f"trainer.{key}", t[key])
     _check_overfit(t)
+    _check_profiler(t)
     _require(
         t.device == "auto" or DEVICE.fullmatch(t.device) is not None,
         "trainer.device",
         t.device,
         "'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'",
+    )
+
+
+def _check_profiler(t: DictConfig) -> None:
+    _require(
+        t.profiler is None or t.profiler in ("simple", "pytorch"),
+        "trainer.profiler",
+        t.profiler,
+        "null (off), simple (time per phase) or pytorch (a torch.profiler trace)",
+    )
+    s = t.profiler_schedule
+    _check_int("trainer.profiler_schedule.wait", s.wait, 0)
+    _check_int("trainer.profiler_schedule.warmup", s.warmup, 0)
+    _check_int("trainer.profiler_schedule.active", s.active, 1)
+    _require(
+        math.isfinite(t.profiler_max_mb) and t.profiler_max_mb > 0,
+        "trainer.profiler_max_mb",
+        t.profiler_max_mb,
+        "a size in MB > 0 (each rank's trace is cut to it)",
     )
 
 
@@ -690,6 +728,7 @@ def _check_checkpoint(ck: DictConfig, data: Any) -> None:
 def _check_parallel(p: DictConfig, device: str, trainer: DictConfig, precision: DictConfig) -> None:
     _check_processes(p, device)
     _check_fsdp(p, trainer, precision)
+    _check_activation_checkpointing(p)
     _require(
         not (p.strategy == StrategyName.dp and trainer.compile),
         "trainer.compile",
@@ -784,6 +823,31 @@ def _check_fsdp(p: DictConfig, trainer: DictConfig, precision: DictConfig) -> No
             "trainer.compile",
             trainer.compile,
             "false with parallel=fsdp (compiling a sharded model is not supported here yet)",
+        )
+
+
+def _check_activation_checkpointing(p: DictConfig) -> None:
+    mode, names = p.get("activation_checkpointing", "none"), p.get("activation_checkpointing_modules")
+    _require(
+        mode in ("none", "full", "selective"),
+        "parallel.activation_checkpointing",
+        mode,
+        "none, full (every block, or shard unit under fsdp) or selective (the classes in "
+        "parallel.activation_checkpointing_modules)",
+    )
+    _require(
+        (mode == "selective") == bool(names),
+        "parallel.activation_checkpointing_modules",
+        _listed(names),
+        "a non-empty list of module classes with parallel.activation_checkpointing=selective, e.g. "
+        "[torch.nn.TransformerEncoderLayer], and null with none or full",
+    )
+    for i, name in enumerate(names or []):
+        _require(
+            re.fullmatch(r"[A-Za-z_][\w.]*", name) is not None,
+            f"parallel.activation_checkpointing_modules[{i}]",
+            name,
+            "the dotted path of an nn.Module class, e.g. torch.nn.TransformerEncoderLayer",
         )
 
 

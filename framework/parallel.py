@@ -234,7 +234,7 @@ class FSDPStrategy(DDPStrategy):
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
-        self.shard_types = _module_classes(parallel_cfg.shard_modules)
+        self.shard_types = module_classes(parallel_cfg.shard_modules, "parallel.shard_modules")
         self.reshard_after_forward = parallel_cfg.reshard_after_forward
         self.cpu_offload = parallel_cfg.cpu_offload
 
@@ -346,8 +346,8 @@ def shard_units(model: nn.Module, types: Optional[tuple[type, ...]]) -> list[nn.
     return units
 
 
-def _module_classes(names: Any) -> Optional[tuple[type, ...]]:
-    """`parallel.shard_modules` as classes (None stays None: the default units)."""
+def module_classes(names: Any, key: str) -> Optional[tuple[type, ...]]:
+    """A config list of module classes (`key`: `parallel.shard_modules`, ...) as classes; None stays None."""
     if names is None:
         return None
     found = []
@@ -356,14 +356,13 @@ def _module_classes(names: Any) -> Optional[tuple[type, ...]]:
             cls = import_object(str(name))
         except Exception as err:  # ImportError or ValueError from Hydra's locator; the cause says what is missing
             raise ConfigError(
-                f"parallel.shard_modules[{i}]={name!r} cannot be imported: "
+                f"{key}[{i}]={name!r} cannot be imported: "
                 f"{error_line(err.__cause__ or err)}; expected the dotted path of an nn.Module class, "
                 "e.g. torch.nn.TransformerEncoderLayer"
             ) from None
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise ConfigError(
-                f"parallel.shard_modules[{i}]={name!r}: not an nn.Module class; expected one such as "
-                "torch.nn.TransformerEncoderLayer"
+                f"{key}[{i}]={name!r}: not an nn.Module class; expected one such as torch.nn.TransformerEncoderLayer"
             )
         found.append(cls)
     return tuple(found)
