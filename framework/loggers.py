@@ -140,6 +140,10 @@ def print_summary(summary: Mapping[str, Any], run_dir: Path, kept: bool = True) 
             "fast_dev_run: nothing was kept (no checkpoint, no TensorBoard events, and outside a sweep, whose "
             "summary reads it, no run directory)"
         )
+    if summary.get("profile"):  # trainer.profiler=simple: the time per phase ends the run
+        from framework.profiler import table  # (imports torch, which a summary of a failed start may not have)
+
+        lines += table(summary["profile"], summary["world_size"])
     logger = logging.getLogger(SUMMARY_LOGGER)
     for line in lines:  # one record a line: each is a complete, prefixed line in run.log
         if logger.hasHandlers():

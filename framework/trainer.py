@@ -29,6 +29,7 @@ from framework.evaluate import move_to
 from framework.instantiate import error_line
 from framework.loggers import print_summary, write_json
 from framework.preflight import check_first_batches
+from framework.profiler import build_profiler
 from framework.restore import load_test_weights
 from framework.run import Run
 from framework.signals import SignalWatch, watched
@@ -118,6 +119,29 @@ def _step_name(task: Any) -> str:
     return f"{type(task).__name__}.training_step"
 
 
+def _eta(run: Run) -> Optional[float]:
+    """Seconds to the end of the run at this process's pace so far; None before its first step."""
+    started, first_step = run._started_at
+    p, total = run.progress, run.max_steps if run.max_steps > 0 else run.max_epochs * run.steps_per_epoch
+    return (
+        (time.perf_counter() - started) / (p.step - first_step) * max(0, total - p.step)
+        if p.step > first_step
+        else None
+    )
+
+
+def _train_log_extras(run: Run) -> dict[str, float]:
+    """What a logging step writes beside the task's values: the epoch, each group's LR, AMP's scale."""
+    extras = {"epoch": float(run.progress.epoch)}
+    for name, group in zip(run.param_group_names, run.optimizer.param_groups):
+        extras[f"lr/{name}"] = group["lr"]
+    scale = run.precision.scale  # remembered at the last step: get_scale() would sync with the device
+    if scale is not None:
+        extras["amp/scale"] = scale
+        extras["amp/skipped_steps"] = float(run.precision.skipped_steps)
+    return extras
+
+
 class Trainer(Run):
     """Runs fit -> validate -> test on the parts its Run built."""
 
@@ -136,8 +160,9 @@ class Trainer(Run):
         # or testing) is noted and the run finishes, instead of reaching the handler from before the run
         # (submitit's would requeue a run that is complete; SIGUSR1's default would kill it).
         watch = SignalWatch(watched(self.cfg.checkpoint.signals) if self.on_signal else ())  # () watches nothing
+        self.profiler = build_profiler(self.cfg.trainer, self.strategy, self.run_dir, self.model, self.progress)
         finished = False
-        with watch:
+        with watch, self.profiler:  # trainer.profiler: the clock or the trace runs from here (framework/profiler.py)
             try:
                 self._start_hooks()
                 anomaly = self.cfg.trainer.detect_anomaly
@@ -197,11 +222,13 @@ class Trainer(Run):
             self._validate()
         if self.checkpoints.save_last and self.checkpoints.saved_step != p.step:
             self._save(periodic=False)
-        self.checkpoints.writer.close()  # every checkpoint on disk before the summary names them
+        with self.profiler.phase("checkpoint"):
+            self.checkpoints.writer.close()  # every checkpoint on disk before the summary names them
         self._quiet_hook("on_train_end")
         if self.cfg.trainer.test and self.data.has("test"):
             self._test()
         summary = self._summary(time.perf_counter() - start)
+        self.profiler.finish(summary, self.logger, p.step)  # trainer.profiler=simple's figures, in the summary
         self.logger.log_metrics({k: v for k, v in summary.items() if k.startswith("best/")}, p.step)
         if self.hparams:
             self.logger.end_hparams_session()
@@ -218,7 +245,8 @@ class Trainer(Run):
             for name, group in zip(self.param_group_names, self.optimizer.param_groups)
             if p.step % self.log_every_n_steps
         }  # a point every epoch, unless this step's logging wrote one
-        train = self.metric_logger.end_epoch(self.task, p.step, lrs)
+        with self.profiler.phase("logging"):  # the epoch's means: a sync with the device
+            train = self.metric_logger.end_epoch(self.task, p.step, lrs)
         t = self.cfg.trainer
         due = (p.epoch + 1) % t.val_every_n_epochs == 0 or (
             t.val_every_n_steps > 0 and p.step % t.val_every_n_steps == 0
@@ -237,19 +265,13 @@ class Trainer(Run):
     def _save(self, *, periodic: bool, metrics: Optional[dict[str, float]] = None) -> None:
         """A checkpoint at this step, once the trackers hold every point logged so far (MLflow keeps points for up
         to 10 s): a run resumed from it logs only what came after, so a point still kept at a kill is lost."""
-        if self.checkpoints.will_save(periodic=periodic, metrics=metrics):
-            self.logger.flush(trackers_now=True)
-        self.checkpoints.save(self.state, self.progress.step, periodic=periodic, metrics=metrics)
+        with self.profiler.phase("checkpoint"):
+            if self.checkpoints.will_save(periodic=periodic, metrics=metrics):
+                self.logger.flush(trackers_now=True)
+            self.checkpoints.save(self.state, self.progress.step, periodic=periodic, metrics=metrics)
 
     def _report_epoch(self, train: dict[str, float], val: Optional[dict[str, float]]) -> None:
-        started, first_step = self._started_at
-        p, total = self.progress, self.max_steps if self.max_steps > 0 else self.max_epochs * self.steps_per_epoch
-        eta = (
-            (time.perf_counter() - started) / (p.step - first_step) * max(0, total - p.step)
-            if p.step > first_step
-            else None
-        )
-        self.metric_logger.report_epoch(p.step, train, val, self._epoch_rate, eta)
+        self.metric_logger.report_epoch(self.progress.step, train, val, self._epoch_rate, _eta(self))
 
     def _finished(self, watch: Any) -> bool:
         self.stop.settle(watch)  # every rank agrees now on a request not yet agreed (the last step's, an epoch hook's)
@@ -266,15 +288,16 @@ class Trainer(Run):
         A callback hook nobody implements is not called at all."""
         p, task, logger = self.progress, self.task, self.metric_logger
         batches = self._start_epoch()
-        training_step, batch_size, losses = self.training_step, task.batch_size, logger.window.losses
-        precision, bar, where = self.precision, self.bar if self.bar.enabled else None, _step_name(task)
+        batch_size, losses, precision = task.batch_size, logger.window.losses, self.precision
+        step_fns = self.profiler.loop_fns(self.training_step, precision.backward, self._optimizer_step)
+        training_step, backward, optimizer_step = step_fns  # as they are, unless trainer.profiler times them
+        bar, where = self.bar if self.bar.enabled else None, _step_name(task)
         autocast = precision.autocast if precision.dtype is not None else None
         to_device = None if self.device.type == "cpu" else move_to  # batches are made on the CPU
         no_sync = self.strategy.no_sync(self.model) if self.accumulate > 1 else None
         plain = contextlib.nullcontext()
         batch_start, before_backward, after_backward, batch_end = map(self.callbacks.bound, _BATCH_HOOKS)
-        accumulate, train_batches = self.accumulate, self.train_batches
-        clock = time.perf_counter
+        accumulate, train_batches, clock = self.accumulate, self.train_batches, time.perf_counter
         epoch_start, samples, first_batch, data_wait = clock(), 0, p.batch_in_epoch, 0.0
         while True:
             waited_from = clock()
@@ -297,7 +320,7 @@ class Trainer(Run):
                     out = as_step_output(out, where, training=True)
                 if before_backward is not None:
                     before_backward(self, task, out.loss)
-                precision.backward(out.loss / accumulate if accumulate > 1 else out.loss)
+                backward(out.loss / accumulate if accumulate > 1 else out.loss)
             if after_backward is not None:
                 after_backward(self, task)
             losses.append(out.loss.detach())
@@ -308,13 +331,14 @@ class Trainer(Run):
             if bar is not None:
                 bar.update()
             if steps_now:
-                self._optimizer_step()
+                optimizer_step()
             if batch_end is not None:
                 batch_end(self, task, out, batch, p.batch_in_epoch - 1)
             if steps_now and self._after_step(watch):
                 break
         seconds = clock() - epoch_start
         self._epoch_rate = samples / seconds if samples else self._epoch_rate
+        self.profiler.add("data wait", data_wait)
         logger.epoch_perf(
             p.step, samples, p.batch_in_epoch - first_batch, seconds, data_wait, self.peak_memory.read_mb()
         )
@@ -367,14 +391,8 @@ class Trainer(Run):
         return self.stop.granted(p) or 0 < self.max_steps <= p.step
 
     def _flush_train_log(self) -> None:
-        extras = {"epoch": float(self.progress.epoch)}
-        for name, group in zip(self.param_group_names, self.optimizer.param_groups):
-            extras[f"lr/{name}"] = group["lr"]
-        scale = self.precision.scale  # remembered at the last step: get_scale() would sync with the device
-        if scale is not None:
-            extras["amp/scale"] = scale
-            extras["amp/skipped_steps"] = float(self.precision.skipped_steps)
-        self.metric_logger.flush(self.progress.step, extras)
+        with self.profiler.phase("logging"):
+            self.metric_logger.flush(self.progress.step, _train_log_extras(self))
 
     def _stop_on_signal(self, signum: int, watch: Any) -> None:
         """Save `last` at this exact position (mid-epoch included), then end the run."""
@@ -396,7 +414,8 @@ class Trainer(Run):
     # ------------------------------------------------------------------ evaluation
     def _validate(self) -> dict[str, float]:
         self.callbacks.call("on_validation_start", self, self.task)
-        metrics = self.evaluator.run("val", self.progress.step)
+        with self.profiler.phase("evaluation"):
+            metrics = self.evaluator.run("val", self.progress.step)
         if not self._val_checked:
             _check_monitors_logged(self._monitors(), metrics)
             self._val_checked = True
@@ -416,5 +435,6 @@ class Trainer(Run):
     def _test(self) -> None:
         self.tested = load_test_weights(self.cfg, self.checkpoints, self.strategy, self.module)
         self.callbacks.call("on_test_start", self, self.task)
-        metrics = self.evaluator.run("test", self.progress.step)
+        with self.profiler.phase("evaluation"):
+            metrics = self.evaluator.run("test", self.progress.step)
         self._quiet_hook("on_test_end", metrics)
