@@ -139,7 +139,7 @@ def _run(cfg: DictConfig, started: Optional[list[bool]] = None) -> Optional[floa
     """Validate, settle the config (a resumed run's is its checkpoint's), lock the run directory, train; after a
     fast_dev_run, remove what it wrote. `started` gets an item once training is handed over (a later failure is
     no longer "refused at start")."""
-    if cfg.get("stage", "fit") != "fit":
+    if cfg.get("stage", "fit") not in ("fit", "lr_find"):  # lr_find starts a run of its own, as fit does
         _evaluate(cfg)
         return None
     hydra_cfg = HydraConfig.get()

@@ -182,6 +182,17 @@ class ParallelConfig:
 
 
 @dataclass
+class LrFindConfig:
+    """`python run.py lr_find` (framework/lr_find.py): the LR range test's span, length, early stop and smoothing."""
+
+    min_lr: float = 1.0e-6
+    max_lr: float = 1.0
+    num_steps: int = 100  # optimizer steps (each of accumulate_grad_batches micro-batches)
+    early_stop_threshold: Optional[float] = 4.0  # stop once the smoothed loss passes this x its minimum; null: never
+    smoothing: float = 0.98  # the loss's exponential moving average (bias-corrected), as fastai's and Lightning's
+
+
+@dataclass
 class RootConfig:
     name: str = MISSING
     seed: int = 42
@@ -205,6 +216,7 @@ class RootConfig:
     logger: Any = MISSING
     trainer: Any = MISSING
     callbacks: Any = field(default_factory=dict)  # name -> a _target_ node, or null (off)
+    lr_find: LrFindConfig = field(default_factory=LrFindConfig)  # the lr_find stage's settings
 
 
 def register() -> None:
@@ -300,7 +312,7 @@ LIGHTNING_NAMES: dict[str, Home] = {
     "replace_sampler_ddp": _NO_SAMPLER,
     "reload_dataloaders_every_epoch": _NO_RELOAD,
     "track_grad_norm": Home("callbacks.grad_norm", "logs grad_norm/* at the logging steps"),
-    "auto_lr_find": _none("sweep optimizer.lr with -m (experiment=optuna_lr_wd searches it)"),
+    "auto_lr_find": _none("the LR range test is a stage: python run.py lr_find prints the optimizer.lr= to use"),
     "auto_scale_batch_size": _none("set data.batch_size; a sweep (-m) can try several"),
     "resume_from_checkpoint": Home("resume"),
     "checkpoint_callback": _CHECKPOINTS_ON,
@@ -503,13 +515,17 @@ def _check_trackers_installed(logger: DictConfig) -> None:
             )
 
 
-STAGES = ("fit", "validate", "test", "predict")
+STAGES = ("fit", "validate", "test", "predict", "lr_find")
 
 
 def check_stage(cfg: DictConfig) -> None:
-    """fit trains (resume= continues a run); validate, test and predict evaluate the weights of ckpt=."""
+    """fit trains (resume= continues a run); validate, test and predict evaluate the weights of ckpt=; lr_find
+    runs the LR range test from the config's own start (init_from's weights, if any)."""
     stage = cfg.get("stage", "fit")
     _require(stage in STAGES, "stage", stage, f"one of {', '.join(STAGES)} (the first word: python run.py test ...)")
+    if stage == "lr_find":
+        _check_lr_find(cfg)
+        return
     if stage == "fit":
         _require(
             cfg.get("ckpt") is None,
@@ -526,6 +542,36 @@ def check_stage(cfg: DictConfig) -> None:
         )
     _require(
         not cfg.resume, "resume", cfg.resume, f"null with {stage} (resume= continues training; ckpt= names the weights)"
+    )
+
+
+def _check_lr_find(cfg: DictConfig) -> None:
+    s = cfg.lr_find
+    _require(not cfg.get("ckpt"), "ckpt", cfg.get("ckpt"), "null with lr_find (it starts from the config's weights)")
+    _require(  # auto: a sweep job's own directory (an lr_find there is run again, from the start)
+        cfg.resume in (None, "auto"),
+        "resume",
+        cfg.resume,
+        "null with lr_find (it starts from the config's weights; init_from=PATH starts from a checkpoint's)",
+    )
+    _require(s.min_lr > 0 and math.isfinite(s.min_lr), "lr_find.min_lr", s.min_lr, "a learning rate > 0")
+    _require(
+        math.isfinite(s.max_lr) and s.max_lr > s.min_lr, "lr_find.max_lr", s.max_lr, f"a learning rate > {s.min_lr:g}"
+    )
+    _require(s.num_steps >= 2, "lr_find.num_steps", s.num_steps, "a number of optimizer steps >= 2")
+    _require(
+        s.early_stop_threshold is None or s.early_stop_threshold > 1,
+        "lr_find.early_stop_threshold",
+        s.early_stop_threshold,
+        "null (never stop early) or a factor > 1 of the lowest loss",
+    )
+    _require(0 <= s.smoothing < 1, "lr_find.smoothing", s.smoothing, "a factor in [0, 1) (0: no smoothing)")
+    lr = OmegaConf.select(cfg, "optimizer.lr")
+    _require(
+        isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0,
+        "optimizer.lr",
+        lr,
+        "a learning rate > 0: lr_find scales each parameter group's lr by lr_find's lr / optimizer.lr",
     )
 
 

@@ -1,5 +1,6 @@
-"""After training: `validate` and `test` the weights of a saved run, as LightningCLI's subcommands do
-(`python run.py test ckpt=RUN_DIR`), in a run directory of their own; the saved run is only read.
+"""The stages beside fit. After training: `validate` and `test` the weights of a saved run, as LightningCLI's
+subcommands do (`python run.py test ckpt=RUN_DIR`), in a run directory of their own; the saved run is only read.
+Before it: `lr_find`, the LR range test on the config's own run (framework/lr_find.py); `run_stage` picks one.
 
 `ckpt=` names a run directory (its `best` checkpoint when it kept one, else its newest intact one: `last`), a
 checkpoint directory, or `RUN_DIR/checkpoints/NAME`. The run's own config is the base (app.py settles it as for
@@ -33,6 +34,19 @@ from framework.task import describe, step_function
 log = logging.getLogger("framework.trainer")  # run.log's lines of a run, whatever its stage
 SPLITS = {"validate": "val", "test": "test"}  # the split each evaluating stage reads
 PREDICTIONS = "predictions.parquet"
+
+
+def run_stage(
+    cfg: DictConfig, run_dir: Path, checkpoint: Optional[Checkpoint], choices: Optional[dict[str, Any]]
+) -> dict[str, Any]:
+    """The stage `cfg.stage` names, other than fit, on every rank: lr_find (framework/lr_find.py) trains from the
+    config's own start; validate, test and predict evaluate `checkpoint`'s weights."""
+    if cfg.stage == "lr_find":
+        from framework.lr_find import find_lr
+
+        return find_lr(cfg, run_dir, choices)
+    assert checkpoint is not None, "a stage evaluates a checkpoint (app.py found it)"
+    return (predict if cfg.stage == "predict" else evaluate)(cfg, run_dir, checkpoint, choices)
 
 
 def find_checkpoint(ckpt: str) -> Checkpoint:

@@ -49,11 +49,10 @@ def train(
     if cfg.trainer.malloc_tuning:
         allocator.keep_freed_memory()  # each step reuses the memory the last one freed (framework/allocator.py)
     checkpoint = open_checkpoint(resume_from) if isinstance(resume_from, Path) else resume_from
-    if cfg.get("stage", "fit") != "fit":  # validate/test: the checkpoint's weights evaluated (framework/stages.py)
+    if cfg.get("stage", "fit") != "fit":  # validate/test/predict a checkpoint's weights, or lr_find (stages.py)
         from framework import stages
 
-        assert checkpoint is not None, "a stage evaluates a checkpoint (app.py found it)"
-        return (stages.predict if cfg.stage == "predict" else stages.evaluate)(cfg, run_dir, checkpoint, choices)
+        return stages.run_stage(cfg, run_dir, checkpoint, choices)
     trainer = Trainer(cfg, run_dir, resume_from=checkpoint, hparams=hparams, choices=choices)
     try:
         return trainer.fit()
