@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from framework import activation_checkpointing, startup, task_hooks
 from framework.callbacks import Callback, CallbackList, Timer
 from framework.checkpoint import CheckpointManager, check_compatible, load_weights
+from framework.checkpoint.weights import accept_plain_keys
 from framework.data import DataModule
 from framework.errors import ConfigError
 from framework.folds import write_record as write_fold_record
@@ -59,13 +60,14 @@ def build_components(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Comp
     task, model_attr = build_task(cfg)
     task_hooks.refuse_replaced(task)
     task_hooks.call_if_defined(task, "setup", cfg.get("stage", "fit"))  # before placing and wrapping, as Lightning
+    accept_plain_keys(task)  # a submodule the task compiled itself (in setup, say) loads checkpoints' plain keys
     model: Any = place(cfg, task, model_attr, strategy)
     precision = Precision(cfg.precision.mode.value, strategy.device)
     # Activation checkpointing, then compile, then the DDP/FSDP wrapping (torchtitan's order): the recompute sits
     # inside what is compiled, and FSDP's hooks around the recomputed modules.
     activation_checkpointing.apply(model, cfg.parallel)
-    if t.compile:
-        model = torch.compile(model)
+    if t.compile:  # in place (nn.Module.compile): the module keeps its class, and its keys have no `_orig_mod.`
+        model.compile()
     # Wrapped before the optimizer is built: FSDP replaces the parameters by their shards (DTensors), which
     # the optimizer must hold (DDP and DataParallel keep the same ones).
     setattr(task, model_attr, strategy.wrap(model, param_dtype=precision.dtype))

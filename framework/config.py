@@ -866,12 +866,6 @@ def _check_fsdp(p: DictConfig, trainer: DictConfig, precision: DictConfig) -> No
             "fp32 or bf16 with parallel=fsdp (FSDP computes in bf16 with fp32 master weights and reductions; "
             "fp16's GradScaler does not see gradients sharded over ranks)",
         )
-        _require(
-            not trainer.compile,
-            "trainer.compile",
-            trainer.compile,
-            "false with parallel=fsdp (compiling a sharded model is not supported here yet)",
-        )
 
 
 def _check_activation_checkpointing(p: DictConfig) -> None:

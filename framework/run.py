@@ -17,6 +17,7 @@ import framework
 from framework import reproducibility, task_hooks
 from framework.build import build_components
 from framework.checkpoint import Checkpoint, CheckpointManager, open_checkpoint
+from framework.compile_report import compile_report
 from framework.errors import ConfigError
 from framework.evaluate import Evaluator, move_to
 from framework.loggers import TensorBoardLogger
@@ -318,6 +319,8 @@ class Run:
             stopped=self.stop.reason or None,
             tested=self.tested or None,
         )
+        if self.cfg.trainer.compile:  # how often torch.compile compiled during this fit (recompilations logged)
+            summary["compile"] = compile_report(time.time() - seconds, self.strategy.is_rank_zero)
         if self.data.skip_corrupt:  # a collective: every rank makes the summary
             indexed, read = self.data.skipped()
             every = self.strategy.gather_objects(read)  # a sample is read by another rank in another epoch

@@ -19,6 +19,7 @@ import torch
 
 from framework import reproducibility
 from framework.checkpoint import DamagedCheckpoint, validate_rng_state, validate_state
+from framework.checkpoint.format import plain_keys
 from framework.metrics import is_stateful, load_metric_state, metric_state
 
 log = logging.getLogger(__name__)
@@ -215,7 +216,7 @@ class TrainingState:
         """(model weights, state, meta) as a checkpoint holds them. Runs on every rank: parts may gather."""
         state = {name: part.obj.state_dict() for name, part in self.parts.items()}
         meta = {**self.progress.position(), "metrics": state["metrics"], **self.info}
-        return self.model().state_dict(), state, meta
+        return plain_keys(self.model().state_dict()), state, meta  # never torch.compile's `_orig_mod.` in a key
 
     def check(self, state: Any, where: str, skip: tuple[str, ...] = ()) -> None:
         """Every registered part of `state` against its live counterpart; nothing is loaded."""

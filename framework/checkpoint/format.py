@@ -36,6 +36,23 @@ READABLE_VERSIONS = (1, 2, 3)
 MODEL_FILE, STATE_FILE, META_FILE = "model.safetensors", "state.safetensors", "meta.json"
 
 
+# torch.compile's wrapper (OptimizedModule) holds the module it compiles as `_orig_mod`, a name in every key of its
+# state dict; a checkpoint holds the plain names, so a compiled run's weights load into an uncompiled model and back.
+COMPILED_PREFIX = "_orig_mod."
+
+
+def plain_key(key: str) -> str:
+    """`key` without torch.compile's `_orig_mod.` segments (`net._orig_mod.0.weight` -> `net.0.weight`)."""
+    return ".".join(part for part in key.split(".") if part != "_orig_mod") if COMPILED_PREFIX in key else key
+
+
+def plain_keys(state: dict[str, Any]) -> dict[str, Any]:
+    """A model state dict under plain names (see COMPILED_PREFIX); the same dict when it has none to drop."""
+    if not any(COMPILED_PREFIX in key for key in state):
+        return state
+    return {plain_key(key): value for key, value in state.items()}
+
+
 def shard_file(kind: str, rank: int, world_size: int) -> str:
     """The file of rank `rank` of a sharded checkpoint written by `world_size` ranks; `kind`: model or state."""
     return f"{kind}-rank{rank}-of{world_size}.safetensors"

@@ -45,6 +45,7 @@ from framework.checkpoint.format import (
     _shown,
     _where,
     chunk,
+    plain_keys,
     shard_file,
     shard_files,
     unflatten,
@@ -424,8 +425,8 @@ class Checkpoint:
         checkpoint: given this run's DeviceMesh, its sharded weights as DTensors of which only this rank's
         part is read; without one, whole."""
         if self.sharded:
-            return self._read_shards("model", mesh)
-        return self._load(MODEL_FILE)
+            return plain_keys(self._read_shards("model", mesh))
+        return plain_keys(self._load(MODEL_FILE))  # one written before keys were plain may hold `_orig_mod.`
 
     def state(self, mesh: Any = None) -> dict[str, Any]:
         """The training state, in memory of its own: optimizer state would otherwise keep the file mapped

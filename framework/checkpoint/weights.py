@@ -11,7 +11,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from framework.checkpoint.format import _keys, _kind
+from framework.checkpoint.format import COMPILED_PREFIX, _keys, _kind, plain_keys
 from framework.checkpoint.load import open_checkpoint
 from framework.errors import ConfigError
 
@@ -31,7 +31,8 @@ _CONVERTIBLE = {
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
     """Weights for `init_from`: a checkpoint directory, a .safetensors file, or a plain `torch.save`
-    state dict (read with weights_only=True: no code runs). A `module.` prefix (DataParallel/DDP) is dropped."""
+    state dict (read with weights_only=True: no code runs). A `module.` prefix (DataParallel/DDP) and
+    torch.compile's `_orig_mod.` are dropped."""
     if not path.exists():
         raise ConfigError(
             f"init_from={str(path)!r}: no such file or directory; expected a checkpoint directory, "
@@ -65,13 +66,26 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
         raise ConfigError(f"init_from={str(path)!r}: expected a state dict of tensors")
     if state and all(k.startswith("module.") for k in state):
         state = {k[len("module.") :]: v for k, v in state.items()}
-    return state
+    return plain_keys(state)
+
+
+def accept_plain_keys(model: torch.nn.Module) -> None:
+    """Let a model holding torch.compile'd submodules (`torch.compile(block)` in its own code: a wrapper whose keys
+    have `_orig_mod.`) load the plain keys every checkpoint holds. trainer.compile compiles in place: no such keys."""
+    for module in model.modules():
+        if isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):  # torch.compile's wrapper
+            module.register_load_state_dict_pre_hook(_into_compiled)
+
+
+def _into_compiled(module: torch.nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+    for key in [k for k in state if k.startswith(prefix) and not k.startswith(prefix + COMPILED_PREFIX)]:
+        state[prefix + COMPILED_PREFIX + key[len(prefix) :]] = state.pop(key)
 
 
 def check_compatible(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str, strict: bool) -> None:
     """One clear error listing the first missing, unexpected, shape-mismatched and unconvertible keys
     (load_state_dict converts between plain number dtypes, not from e.g. float4 or complex)."""
-    own = model.state_dict()
+    own, state = plain_keys(model.state_dict()), plain_keys(state)  # as a checkpoint names them
     missing = [k for k in own if k not in state]
     unexpected = sorted(k for k in state if k not in own)  # a stable order: safetensors loads keys in none
     mismatched = [
