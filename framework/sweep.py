@@ -313,10 +313,12 @@ FOLD_KEY = "data.fold"  # a sweep over it (k-fold cross-validation, framework/fo
 FOLDS_ROW = "mean ± std over folds"  # the `job` cell of such a row
 
 
-def fold_rows(rows: list[dict[str, Any]], swept: list[str], metrics: list[str], mode: str) -> list[dict[str, Any]]:
+def fold_rows(
+    rows: list[dict[str, Any]], swept: list[str], metrics: list[str], mode: str, folds: Optional[int] = None
+) -> list[dict[str, Any]]:
     """For each group of jobs that differ only in data.fold: one row of each metric's mean ± std over its folds
-    that ended ok, best objective first (the objective is `metrics[0]`). Its `data.fold` cell counts the folds; its
-    status is ok when every fold of the group is. Empty when the sweep does not sweep data.fold."""
+    that ended ok, best objective first (the objective is `metrics[0]`). `folds`: data.folds, the folds each group
+    should have (else as many as it has jobs). Empty when the sweep does not sweep data.fold."""
     if FOLD_KEY not in swept:
         return []
     others = [k for k in swept if k != FOLD_KEY]
@@ -324,28 +326,53 @@ def fold_rows(rows: list[dict[str, Any]], swept: list[str], metrics: list[str], 
     for job_row in rows:
         if job_row.get(FOLD_KEY, "") != "":
             groups.setdefault(tuple(job_row[k] for k in others), []).append(job_row)
-    out, means = [], []
+    out = []
     for setting, jobs in groups.items():
-        ok = [job for job in jobs if job["status"] == "ok"]
-        row: dict[str, Any] = {"job": FOLDS_ROW, **dict(zip(others, setting))}
-        row[FOLD_KEY] = f"{len(ok)} of {len(jobs)} folds"
-        for name in metrics:
-            values = [float(j[name]) for j in ok if isinstance(j.get(name), (int, float)) and not math.isnan(j[name])]
-            std = statistics.stdev(values) if len(values) > 1 else 0.0
-            row[name] = f"{statistics.mean(values):.4f} ± {std:.4f}" if values else ""
-        failed = sorted((j for j in jobs if j["status"] != "ok"), key=lambda j: str(j[FOLD_KEY]))
-        row["status"] = "ok" if not failed else "incomplete"
-        row["seconds"] = round(sum(float(j["seconds"]) for j in jobs if isinstance(j.get("seconds"), (int, float))), 3)
-        row["error"] = ", ".join(f"fold {j[FOLD_KEY]} {j['status']}" for j in failed)
-        out.append(row)
-        first = [float(j[metrics[0]]) for j in ok if isinstance(j.get(metrics[0]), (int, float))]
+        named = dict(zip(others, setting))
+        swept_folds = str(named.get("data.folds", ""))  # a sweep over data.folds too: each group its own
+        out.append(_fold_row(named, jobs, metrics, int(swept_folds) if swept_folds.isdigit() else folds))
+    means = []
+    for jobs in groups.values():
+        first = [
+            float(j[metrics[0]]) for j in jobs if j["status"] == "ok" and isinstance(j.get(metrics[0]), (int, float))
+        ]
         means.append(statistics.mean(first) if first else math.nan)
 
     def key(i: int) -> tuple[bool, float]:  # as `rank`: best first, groups without the objective last
         return (math.isnan(means[i]), -means[i] if mode == "max" else means[i])
 
-    order = sorted(range(len(out)), key=key)
-    return [out[i] for i in order]
+    return [out[i] for i in sorted(range(len(out)), key=key)]
+
+
+def _fold_row(setting: dict[str, Any], jobs: list[dict[str, Any]], metrics: list[str], folds: Optional[int]) -> dict:
+    """One group's row: `data.fold` counts the folds that ended ok; status ok when every fold asked for did (the
+    error names the others: failed, interrupted, or missing: a sweep stopped before their jobs started)."""
+    ok = [job for job in jobs if job["status"] == "ok"]
+    row: dict[str, Any] = {"job": FOLDS_ROW, **setting, FOLD_KEY: f"{len(ok)} of {folds or len(jobs)} folds"}
+    for name in metrics:
+        values = [float(j[name]) for j in ok if isinstance(j.get(name), (int, float)) and not math.isnan(j[name])]
+        std = statistics.stdev(values) if len(values) > 1 else 0.0
+        row[name] = f"{statistics.mean(values):.4f} ± {std:.4f}" if values else ""
+    problems = {str(j[FOLD_KEY]): str(j["status"]) for j in jobs if j["status"] != "ok"}
+    ran = {str(j[FOLD_KEY]) for j in jobs}
+    problems.update({str(i): "missing" for i in range(folds or 0) if str(i) not in ran})
+    row["status"] = "incomplete" if problems else "ok"
+    row["seconds"] = round(sum(float(j["seconds"]) for j in jobs if isinstance(j.get("seconds"), (int, float))), 3)
+    row["error"] = ", ".join(f"fold {fold} {problems[fold]}" for fold in sorted(problems, key=_as_number))
+    return row
+
+
+def _as_number(text: str) -> tuple[int, str]:
+    return (int(text), "") if text.isdigit() else (0, text)
+
+
+def folds_asked(sweep_dir: Path, rows: list[dict[str, Any]]) -> Optional[int]:
+    """data.folds as the sweep's jobs were given it (the same for every job of a cross-validation), or None."""
+    for row in rows:
+        value = _job_overrides(sweep_dir / str(row["job"])).get("data.folds", "")
+        if value.isdigit():
+            return int(value)
+    return None
 
 
 def objective(config: DictConfig) -> tuple[str, str]:
@@ -424,7 +451,8 @@ def report(config: DictConfig, sweep_dir: Optional[Path], declared: Collection[s
     rows, swept, metrics = collect(sweep_dir, metric, declared)
     if not rows:
         return False
-    rows = rank(rows, metric, mode) + fold_rows(rows, swept, metrics, mode)
+    folds = folds_asked(sweep_dir, rows) if FOLD_KEY in swept else None
+    rows = rank(rows, metric, mode) + fold_rows(rows, swept, metrics, mode, folds)
     write_csv(sweep_dir / "summary.csv", rows)
     # Readable at a terminal: the objective and the val/best/test metrics; train/* and the rest are in the csv.
     shown = [m for m in metrics if m == metric or ("/" in m and m.split("/", 1)[0] in TABLE_GROUPS)]

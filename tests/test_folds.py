@@ -147,7 +147,7 @@ def test_a_sweep_over_lr_and_fold_gets_one_mean_and_std_row_per_lr(tmp_path, cap
 
     from framework.sweep import FOLDS_ROW, report
 
-    accs = {"0.1": [0.9, 0.8, 0.7], "0.5": [0.95, 0.97, None]}  # None: the fold failed
+    accs = {"0.1": [0.9, 0.8, 0.7], "0.5": [0.95, 0.97, None], "0.9": [0.5]}  # None: failed; 0.9: folds 1, 2 to run
     n = 0
     for lr, values in accs.items():
         for fold, acc in enumerate(values):
@@ -163,11 +163,13 @@ def test_a_sweep_over_lr_and_fold_gets_one_mean_and_std_row_per_lr(tmp_path, cap
     assert [(r["optimizer.lr"], r["data.fold"], r["val/acc"], r["status"]) for r in means] == [
         ("0.5", "2 of 3 folds", "0.9600 ± 0.0141", "incomplete"),
         ("0.1", "3 of 3 folds", "0.8000 ± 0.1000", "ok"),
+        ("0.9", "1 of 3 folds", "0.5000 ± 0.0000", "incomplete"),
     ]
-    assert means[0]["error"] == "fold 2 failed" and means[1]["seconds"] == "3.0"
-    assert table[:6] == [r for r in table if r["job"] != FOLDS_ROW]  # the jobs first, as before
+    assert means[0]["error"] == "fold 2 failed" and means[1]["seconds"] == "3.0" and means[1]["error"] == ""
+    assert means[2]["error"] == "fold 1 missing, fold 2 missing"
+    assert table[:7] == [r for r in table if r["job"] != FOLDS_ROW]  # the jobs first, as before
     out = capsys.readouterr().out
-    assert "Sweep summary (6 jobs" in out and f"{FOLDS_ROW}  0.1" in out
+    assert "Sweep summary (7 jobs" in out and f"{FOLDS_ROW}  0.1" in out
 
 
 @pytest.mark.e2e
