@@ -200,7 +200,8 @@ class RootConfig:
     seed: int = 42
     resume: Optional[str] = None  # RUN_DIR, CHECKPOINT_DIR or auto
     # What the command does (LightningCLI's subcommands: `python run.py test ckpt=RUN_DIR`): fit, or validate, test
-    # or predict the weights of `ckpt` (a run directory, its best else last; or a checkpoint directory).
+    # or predict the weights of `ckpt` (a run directory, its best else last; or a checkpoint directory), or lr_find
+    # (the LR range test on this config: framework/lr_find.py).
     stage: str = "fit"
     ckpt: Optional[str] = None
     predict_data: Any = None  # what `predict` runs over: data.predict, moved here (no DataModule argument)
