@@ -31,6 +31,7 @@ from omegaconf import DictConfig, open_dict
 from framework import reproducibility, task_hooks
 from framework.evaluate import move_to
 from framework.loggers import SUMMARY_LOGGER, write_json
+from framework.preflight import check_first_batches
 from framework.run import Run
 from framework.task import StepOutput, as_step_output
 
@@ -86,18 +87,24 @@ def find_lr(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, Any]] = 
     with open_dict(fit_cfg):
         fit_cfg.stage = "fit"
     run = Run(fit_cfg, run_dir, choices=choices)
-    finished = False
+    finished, curve = False, None
     try:
-        with kept_states(run):
-            curve = range_test(run, cfg.lr_find)
+        check_first_batches(run.task, run.model_attr, run.evaluator, {}, ("train",))  # a mismatch: one line
+        if not cfg.trainer.dry_run:  # (a dry run: built and checked, nothing trained)
+            with kept_states(run):
+                curve = range_test(run, cfg.lr_find)
         finished = True
     finally:
         run.data.close()
         task_hooks.call_if_defined(run.task, "teardown", "fit")
-        if finished and run.strategy.is_rank_zero:
+        if curve is not None and run.strategy.is_rank_zero:
             _write(run, curve, cfg.lr_find)
         run.logger.close()
         run.strategy.teardown(finished)
+    if curve is None:
+        if run.strategy.is_rank_zero:
+            log.info("trainer.dry_run: the run was built and its first batch checked; no range test was run")
+        return {}
     summary = {
         "suggested_lr": curve.suggestion if curve.suggestion is not None else float("nan"),
         "status": "ok",
