@@ -194,7 +194,8 @@ class Run:
     # ------------------------------------------------------------------ what callbacks see (Lightning's names)
     @property
     def model(self) -> torch.nn.Module:
-        """The task's model as the loop runs it (wrapped by DDP/DP/compile), held in `task.<model_attr>`."""
+        """The task's model as the loop runs it (wrapped by DDP/DP; trainer.compile compiles it in place), held in
+        `task.<model_attr>`."""
         return getattr(self.task, self.model_attr)
 
     @property
