@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 import torch
 from omegaconf import DictConfig
 
-from framework import activation_checkpointing, startup, task_hooks
+from framework import activation_checkpointing, meta_init, startup, task_hooks
 from framework.callbacks import Callback, CallbackList, Timer
 from framework.checkpoint import CheckpointManager, check_compatible, load_weights
 from framework.checkpoint.weights import accept_plain_keys
@@ -57,11 +57,12 @@ def build_components(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Comp
     data = build_data(cfg, strategy)
     if data.fold_split is not None and strategy.is_rank_zero:  # data.folds: the fold's samples, kept with the run
         write_fold_record(data.fold_split, run_dir)
-    task, model_attr = build_task(cfg)
+    on_meta = meta_init.Builder(strategy) if strategy.sharded and cfg.parallel.get("meta_init", False) else None
+    task, model_attr = build_task(cfg, on_meta)
     task_hooks.refuse_replaced(task)
     task_hooks.call_if_defined(task, "setup", cfg.get("stage", "fit"))  # before placing and wrapping, as Lightning
     accept_plain_keys(task)  # a submodule the task compiled itself (in setup, say) loads checkpoints' plain keys
-    model: Any = place(cfg, task, model_attr, strategy)
+    model: Any = place(cfg, task, model_attr, strategy, load=on_meta is None or on_meta.recorder is None)
     precision = Precision(cfg.precision.mode.value, strategy.device)
     # Activation checkpointing, then compile, then the DDP/FSDP wrapping (torchtitan's order): the recompute sits
     # inside what is compiled, and FSDP's hooks around the recomputed modules.
@@ -71,6 +72,8 @@ def build_components(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Comp
     # Wrapped before the optimizer is built: FSDP replaces the parameters by their shards (DTensors), which
     # the optimizer must hold (DDP and DataParallel keep the same ones).
     setattr(task, model_attr, strategy.wrap(model, param_dtype=precision.dtype))
+    if on_meta is not None and on_meta.recorder is not None:  # each rank's shards get their values only now
+        on_meta.materialise(strategy.unwrap(getattr(task, model_attr)), cfg)
     optimizer, frozen = build_optimizer(cfg.optimizer, strategy.unwrap(getattr(task, model_attr)))
     # overfit_batches: the same first batches of epoch 0's order every epoch, validated on too (Lightning's).
     overfit = limit(t.overfit_batches, data.num_batches("train")) if t.overfit_batches else 0
@@ -137,23 +140,24 @@ def build_data(cfg: DictConfig, strategy: Strategy) -> DataModule:
     return data
 
 
-def place(cfg: DictConfig, task: Task, model_attr: str, strategy: Strategy) -> torch.nn.Module:
+def place(cfg: DictConfig, task: Task, model_attr: str, strategy: Strategy, load: bool = True) -> torch.nn.Module:
     """The task on the device (under FSDP, all but the model, whose shards wrap moves: a model larger than one
-    device is never whole on one) and `init_from`'s weights in the model. Returns the model."""
+    device is never whole on one) and, with `load`, `init_from`'s weights in the model (a model built on the meta
+    device gets them shard by shard once sharded). Returns the model."""
     model = task.get_submodule(model_attr)
     strategy.place(task, model)
-    if cfg.get("init_from"):
+    if cfg.get("init_from") and load:
         weights = load_weights(Path(cfg.init_from))
         check_compatible(model, weights, f"init_from={cfg.init_from!r}", cfg.init_strict)
         model.load_state_dict(weights, strict=cfg.init_strict)
     return model
 
 
-def build_task(cfg: DictConfig) -> tuple[Task, str]:
+def build_task(cfg: DictConfig, on_meta: Optional[meta_init.Builder] = None) -> tuple[Task, str]:
     """The task, given the built `model` group as its constructor's `model` (or, in a port of a LightningModule,
     `net`: lightning-hydra-template's name), and the name of the attribute that holds it. A task whose config
     builds its model itself (`task.net: ${model}`, or a constructor that makes one) holds it in its one
-    submodule with parameters."""
+    submodule with parameters. `on_meta`: builds the model group with its parameters on the meta device."""
     target = locate(cfg.task.get("_target_"), "task")
     params = inspect.signature(target).parameters if inspect.isclass(target) else {}
     takes = set(params) | (
@@ -162,7 +166,7 @@ def build_task(cfg: DictConfig) -> tuple[Task, str]:
     given = next((name for name in ("model", "net") if name in takes and name not in cfg.task), None)
     model: Optional[torch.nn.Module] = None
     if given is not None:
-        model = build(cfg.model, "model")
+        model = on_meta.build(lambda: build(cfg.model, "model")) if on_meta else build(cfg.model, "model")
         task = build(cfg.task, "task", partial=True, provided=(given,))(**{given: model})
     else:
         task = build(cfg.task, "task")

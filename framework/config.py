@@ -179,6 +179,8 @@ class ParallelConfig:
     # unit) or selective (the module classes named in activation_checkpointing_modules).
     activation_checkpointing: str = "none"
     activation_checkpointing_modules: Optional[list[str]] = None
+    # parallel=fsdp: build the model on the meta device and give each rank only its shards (framework/meta_init.py).
+    meta_init: bool = True
 
 
 @dataclass
@@ -850,6 +852,12 @@ def _check_fsdp(p: DictConfig, trainer: DictConfig, precision: DictConfig) -> No
         "parallel.cpu_offload",
         p.cpu_offload,
         f"false with parallel={strategy}, or parallel=fsdp",
+    )
+    _require(
+        fsdp or p.get("meta_init", True),
+        "parallel.meta_init",
+        p.get("meta_init"),
+        f"true with parallel={strategy}, or parallel=fsdp",
     )
     for i, name in enumerate(p.shard_modules or []):
         _require(
