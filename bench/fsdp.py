@@ -3,6 +3,20 @@
     python bench/fsdp.py                     # every part
     python bench/fsdp.py --part memory       # per-rank bytes of parameters, gradients, Adam state; step time
     python bench/fsdp.py --part curve        # train/loss of fsdp, ddp and one process on the same global batch
+    python bench/fsdp.py --part init         # peak host RSS per rank of building a 202 M model, meta init or not
+    python bench/fsdp.py --part save         # how long a sharded checkpoint save blocks training, inline or not
+
+init: TransformerLM at width 1024, 16 layers (202 M parameters, 771 MiB in fp32) built, sharded with
+`FSDPStrategy.wrap` and initialised in 2 spawned processes, whole on each rank (parallel.meta_init=false) or on the
+meta device with each rank materialising its own shards (framework/meta_init.py); then one step (batch of 1
+window, AdamW). Each rank's peak resident memory (VmHWM, reset through /proc/self/clear_refs just before the build)
+above its resident memory then, up to the first step and through it, after the same run on a tiny model (so that
+the library code it runs is already resident); the shards' sums show the weights equal.
+
+save: the memory part's 56.7 M model and its AdamW state after a step, saved by `CheckpointManager` (every rank its
+own shards, rank 0 meta.json last) after each of `--saves` steps, inline (checkpoint.async_save=false) and in the
+background, alternating in two rounds: the time `save` blocks the caller on each rank, and in the background the
+time until the checkpoint is committed (waited for outside the timed part, so a save never waits for the last).
 
 memory (and time): experiments/lm.py's TransformerLM at width 768, 8 layers (56.7 M parameters), wrapped by the
 framework's own strategies (`DDPStrategy.wrap`, `FSDPStrategy.wrap` with each TransformerEncoderLayer a shard
@@ -108,6 +122,178 @@ def _memory_worker(rank: int, strategy_name: str, port: int, warmup: int, steps:
     if rank == 0:
         Path(out).write_text(json.dumps(reports))
     strategy.teardown()
+
+
+INIT = {"block_size": 64, "d_model": 1024, "num_layers": 16, "num_heads": 16, "ff_mult": 4}  # 202 M parameters
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _init_worker(rank: int, meta: bool, port: int, out: str) -> None:
+    """Peak host RSS of building, sharding and initialising the model, then through its first step."""
+    _environ(rank, port)
+    from omegaconf import OmegaConf
+
+    from framework.parallel import FSDPStrategy
+
+    cfg = OmegaConf.create({"find_unused_parameters": False, "static_graph": False, "backend": None, "timeout_s": 600,
+                            "shard_modules": ["torch.nn.TransformerEncoderLayer"], "reshard_after_forward": True,
+                            "cpu_offload": False})
+    strategy = FSDPStrategy(cfg, "cpu")
+    # The same, on a tiny model first: the code it runs is paged in (libtorch's pages count in RSS) before the count.
+    _build_and_step(strategy, {**INIT, "d_model": 32, "num_layers": 1, "num_heads": 1}, meta, rank)
+    strategy.gather_objects(None)  # both ranks start from here
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current RSS
+    report = _build_and_step(strategy, INIT, meta, rank, _status_kb("VmRSS"))
+    reports = strategy.gather_objects(report)
+    if rank == 0:
+        Path(out).write_text(json.dumps(reports))
+    strategy.teardown()
+
+
+def _build_and_step(strategy: Any, size: dict[str, int], meta: bool, rank: int, base_kb: int = 0) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    from experiments.lm import TransformerLM
+    from framework import meta_init
+
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    builder = meta_init.Builder(strategy) if meta else None
+    model = builder.build(lambda: TransformerLM(**size)) if builder else TransformerLM(**size)
+    parameters = sum(p.numel() for p in model.parameters())
+    model = strategy.wrap(model)
+    if builder:
+        builder.materialise(model, OmegaConf.create({"init_from": None}))
+    built_s = time.perf_counter() - start
+    built_kb = _status_kb("VmHWM") - base_kb
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    windows = torch.randint(0, 256, (1, size["block_size"] + 1), generator=torch.Generator().manual_seed(rank))
+    logits = model(windows[:, :-1])
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).backward()
+    optimizer.step()
+    step_kb = _status_kb("VmHWM") - base_kb
+    checksum = float(sum(p.detach().to_local().double().sum() for p in model.parameters()))
+    return {"rank": rank, "parameters": parameters, "built_mb": built_kb / 1024, "step_mb": step_kb / 1024,
+            "built_s": built_s, "checksum": checksum}
+
+
+class _Snapshot:
+    """What the trainer's TrainingState.collect gives a checkpoint: the model's and the optimizer's state."""
+
+    def __init__(self, model: Any, optimizer: Any) -> None:
+        self.model, self.optimizer, self.step = model, optimizer, 0
+
+    def collect(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        return self.model.state_dict(), {"optimizer": self.optimizer.state_dict()}, {"step": self.step}
+
+
+def _save_worker(rank: int, port: int, saves: int, folder: str, out: str) -> None:
+    """How long a sharded save blocks training, inline and in the background (then, apart, how long it takes)."""
+    _environ(rank, port)
+    from omegaconf import OmegaConf
+
+    from experiments.lm import TransformerLM
+    from framework.checkpoint import CheckpointManager
+    from framework.parallel import FSDPStrategy
+
+    cfg = OmegaConf.create({"find_unused_parameters": False, "static_graph": False, "backend": None, "timeout_s": 600,
+                            "shard_modules": ["torch.nn.TransformerEncoderLayer"], "reshard_after_forward": True,
+                            "cpu_offload": False})
+    strategy = FSDPStrategy(cfg, "cpu")
+    torch.manual_seed(0)
+    model = strategy.wrap(TransformerLM(**BIG))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    windows = torch.randint(0, 256, (2, BIG["block_size"] + 1), generator=torch.Generator().manual_seed(rank))
+    snapshot = _Snapshot(model, optimizer)
+    report: dict[str, Any] = {"rank": rank}
+    for async_save in (False, True, False, True):  # alternating: load on the machine falls on both alike
+        manager = CheckpointManager(Path(folder) / f"r{async_save}", every_n_steps=1, keep_last=1,
+                                    enabled=rank == 0, async_save=async_save, shards=strategy)
+        for _ in range(saves):
+            logits = model(windows[:, :-1])
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            snapshot.step += 1
+            start = time.perf_counter()
+            manager.save(snapshot, snapshot.step, periodic=True)
+            blocked = time.perf_counter() - start
+            manager.writer.wait()  # (not timed: the next save must not wait for this one)
+            report.setdefault(f"blocked_{async_save}", []).append(blocked)
+            report.setdefault(f"done_{async_save}", []).append(time.perf_counter() - start)
+        manager.writer.close()
+    report["state_mb"] = _local_bytes([*model.parameters(), *[v for e in optimizer.state.values()
+                                                              for v in e.values() if v.dim()]]) / 2**20
+    reports = strategy.gather_objects(report)
+    if rank == 0:
+        Path(out).write_text(json.dumps(reports))
+    strategy.teardown()
+
+
+def measure_save(saves: int) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    from framework.launch import free_port
+
+    with tempfile.TemporaryDirectory(prefix="bench-fsdp-save-") as folder, \
+            tempfile.NamedTemporaryFile(suffix=".json") as out:
+        mp.start_processes(_save_worker, args=(free_port(), saves, folder, out.name), nprocs=WORLD_SIZE,
+                           start_method="spawn")
+        return json.loads(Path(out.name).read_text())
+
+
+def report_save(reports: list[dict[str, Any]]) -> None:
+    print(f"\nsharded checkpoint saves, TransformerLM {BIG} + AdamW state ({reports[0]['state_mb']:.0f} MiB per rank), "
+          "2 processes, fsync on; medians over the saves, in ms:")
+    print(f"{'rank':>4} {'inline: blocked':>16} {'background: blocked':>20} {'background: until on disk':>26} "
+          f"{'blocked / inline':>17}")
+    worst = 0.0
+    for r in reports:
+        inline, blocked = statistics.median(r["blocked_False"]), statistics.median(r["blocked_True"])
+        worst = max(worst, blocked / inline)
+        print(f"{r['rank']:>4} {1000 * inline:>16.0f} {1000 * blocked:>20.0f} "
+              f"{1000 * statistics.median(r['done_True']):>26.0f} {blocked / inline:>17.2f}")
+    print(f"the loop is blocked for {worst:.2f}x an inline sharded save (target <= 0.3: "
+          f"{'met' if worst <= 0.3 else 'NOT met'})")
+
+
+def measure_init() -> dict[str, list[dict[str, Any]]]:
+    import torch.multiprocessing as mp
+
+    from framework.launch import free_port
+
+    results = {}
+    for name, meta in (("whole", False), ("meta", True)):
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            mp.start_processes(_init_worker, args=(meta, free_port(), out.name), nprocs=WORLD_SIZE,
+                               start_method="spawn")
+            results[name] = json.loads(Path(out.name).read_text())
+    return results
+
+
+def report_init(results: dict[str, list[dict[str, Any]]]) -> None:
+    parameters = results["whole"][0]["parameters"]
+    model_mb = parameters * 4 / 2**20
+    print(f"\ninitialisation under fsdp, TransformerLM {INIT} ({parameters / 1e6:.1f} M parameters, "
+          f"{model_mb:.0f} MiB in fp32), 2 processes; peak host RSS per rank above the process's before the build:")
+    print(f"{'parallel.meta_init':<19} {'rank':>4} {'to the 1st step MiB':>20} {'x model':>8} "
+          f"{'through it (AdamW) MiB':>23} {'build s':>8}")
+    for name, reports in results.items():
+        for r in reports:
+            print(f"{'true' if name == 'meta' else 'false':<19} {r['rank']:>4} {r['built_mb']:>20.0f} "
+                  f"{r['built_mb'] / model_mb:>8.2f} {r['step_mb']:>23.0f} {r['built_s']:>8.1f}")
+    worst = max(r["built_mb"] for r in results["meta"]) / model_mb
+    print(f"meta init: peak per rank up to the first step {worst:.2f}x the whole model's bytes (target <= 0.6: "
+          f"{'met' if worst <= 0.6 else 'NOT met'})")
+    same = [a["checksum"] == b["checksum"] for a, b in zip(results["whole"], results["meta"])]
+    print(f"the same weights after the first step with and without it (each rank's shard sums): {all(same)}")
 
 
 def measure_memory(warmup: int, steps: int, batch: int) -> dict[str, list[dict[str, Any]]]:
@@ -225,7 +411,8 @@ def report_curves(curves: dict[str, dict[str, list[tuple[int, float]]]]) -> None
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("memory", "curve", "all"), default="all")
+    parser.add_argument("--part", choices=("memory", "curve", "init", "save", "all"), default="all")
+    parser.add_argument("--saves", type=int, default=3, help="saves of each kind per round (2 rounds) in `save`")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5, help="timed steps of the memory part")
     parser.add_argument("--batch", type=int, default=4, help="windows per rank in the memory part")
@@ -236,6 +423,10 @@ def main(argv: list[str] | None = None) -> None:
         report_memory(measure_memory(args.warmup, args.steps, args.batch))
     if args.part in ("curve", "all"):
         report_curves(measure_curves(args.curve_steps))
+    if args.part in ("init", "all"):
+        report_init(measure_init())
+    if args.part in ("save", "all"):
+        report_save(measure_save(args.saves))
     print(f"load average after: {os.getloadavg()}")
 
 

@@ -109,6 +109,10 @@ class Strategy:
         """Rank 0's `obj` on every rank."""
         return obj
 
+    def background_ranks(self) -> Any:
+        """The ranks a sharded checkpoint committed on a writer thread agrees through (one process: itself)."""
+        return self
+
     def teardown(self, finished: bool = True) -> None:
         pass
 
@@ -209,6 +213,11 @@ class DDPStrategy(Strategy):
         self.dist.broadcast_object_list(holder, src=0)
         return holder[0]
 
+    def background_ranks(self) -> GroupRanks:
+        """These ranks over a gloo process group of their own (every rank calls it, once, at the same point): for
+        the collectives of a sharded checkpoint committed on a writer thread while training runs its own."""
+        return GroupRanks(self.dist.new_group(backend="gloo"), self.rank, self.world_size)
+
     def teardown(self, finished: bool = True) -> None:
         """`finished`: every rank got here normally, so they first wait for each other (rank 0 may still be
         finishing a checkpoint save); a rank that tears down while another still uses the group can abort in
@@ -217,6 +226,25 @@ class DDPStrategy(Strategy):
             if finished:
                 self.dist.barrier()
             self.dist.destroy_process_group()
+
+
+class GroupRanks:
+    """The ranks of one process group, with the object collectives a checkpoint's commit needs."""
+
+    def __init__(self, group: Any, rank: int, world_size: int) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.group, self.rank, self.world_size = dist, group, rank, world_size
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world_size
+        self.dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
+    def broadcast_object(self, obj: Any) -> Any:
+        holder = [obj]
+        self.dist.broadcast_object_list(holder, src=0, group=self.group)
+        return holder[0]
 
 
 class FSDPStrategy(DDPStrategy):

@@ -13,7 +13,7 @@ import torch
 
 from framework.checkpoint.format import DamagedCheckpoint, _is_number, _shown
 from framework.checkpoint.save import link_checkpoint
-from framework.checkpoint.sharded import Ranks, link_sharded, write_sharded
+from framework.checkpoint.sharded import Shards, link_sharded
 from framework.checkpoint.validation import _mismatch
 from framework.checkpoint.writer import CheckpointWriter
 from framework.errors import ConfigError
@@ -43,17 +43,19 @@ class CheckpointManager:
     async_save: bool = False  # write on a background thread (see CheckpointWriter)
     periodic: list[str] = field(default_factory=list)  # names, oldest first
     top_k: list[tuple[float, str]] = field(default_factory=list)  # (metric, name), best first
-    shards: Optional[Ranks] = None  # a sharded run's ranks: each writes its shards, inline (sharded.py)
+    shards: Optional[Shards] = None  # a sharded run's ranks: each writes its shards (sharded.py)
 
     def __post_init__(self) -> None:
-        self.writer = CheckpointWriter(durable=self.fsync, background=self.async_save and self.shards is None)
+        self.writer = CheckpointWriter(durable=self.fsync, background=self.async_save)
+        # A sharded save in the background agrees over a process group of its own (every rank makes it here, once).
+        self.background_ranks = self.shards.background_ranks() if self.shards is not None and self.async_save else None
         self.saved_step = -1  # the step of the newest checkpoint this process saved (or resumed from)
 
     def _link(self, src: Path, dst: Path) -> None:
         if self.shards is None:
             self.writer.call(link_checkpoint, src, dst, self.fsync)
         else:
-            link_sharded(src, dst, self.shards.world_size, self.fsync)
+            self.writer.call(link_sharded, src, dst, self.shards.world_size, self.fsync)
 
     @property
     def active(self) -> bool:
@@ -126,7 +128,7 @@ class CheckpointManager:
         model_state, training_state, meta = state.collect()
         self.saved_step = step
         if self.shards is not None:  # every rank, together (only rank 0 is `enabled`)
-            write_sharded(target, model_state, training_state, meta, self.shards, self.fsync)
+            self.writer.write_sharded(target, model_state, training_state, meta, self.shards, self.background_ranks)
         elif self.enabled:
             self.writer.write(target, model_state, training_state, meta)
 

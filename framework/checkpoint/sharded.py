@@ -6,8 +6,10 @@ other tensor, with the state's structure. The save is atomic as a plain one is: 
 `NAME.tmp/`; once every rank has written its files (an all-gather of what each wrote, which is the barrier),
 rank 0 writes meta.json, the last file, and renames the folder into place. A rank killed at any instant leaves
 at most `NAME.tmp/`, which discovery ignores, and the previous checkpoints intact. A failure on any rank is
-one CheckpointSaveError on every rank. Saves are inline: the ranks agree through collectives, which a
-background thread must not interleave with training's own.
+one CheckpointSaveError on every rank. With `checkpoint.async_save` each rank copies its parts into a host
+buffer and writes on the checkpoint writer's thread (framework/checkpoint/writer.py); the ranks then agree through
+a process group of their own (the strategy's `background_ranks`), so those collectives never interleave with
+training's.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import os
 import shutil
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
@@ -47,6 +50,14 @@ class Ranks(Protocol):
     def broadcast_object(self, obj: Any) -> Any: ...
 
 
+class Shards(Ranks, Protocol):
+    """A sharded run's ranks (framework.parallel's FSDPStrategy), which can also make the ranks a background save
+    agrees through: a process group of their own, so that a writer thread's collectives never interleave with
+    training's (every rank calls it, once, at the same point)."""
+
+    def background_ranks(self) -> Ranks: ...
+
+
 def local_shards(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
     """Each DTensor replaced by this rank's part of it, and the layout of each: its global shape, the dimension
     it is split along, and this rank's offset and length there. Other tensors are kept as they are."""
@@ -75,6 +86,26 @@ def local_shards(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
     return local, layout
 
 
+@dataclass
+class LocalParts:
+    """What this rank writes of a checkpoint: its parts of the model's and the state's tensors (each DTensor's
+    shard, every other tensor whole), their layouts, and the state's structure."""
+
+    model: dict[str, torch.Tensor]
+    model_layout: dict[str, dict[str, Any]]
+    state: dict[str, torch.Tensor]
+    state_layout: dict[str, dict[str, Any]]
+    structure: Any
+
+    @classmethod
+    def of(cls, model_state: dict[str, torch.Tensor], state: dict[str, Any]) -> LocalParts:
+        tensors: dict[str, torch.Tensor] = {}
+        structure = flatten(state, tensors)
+        model_local, model_layout = local_shards(model_state)
+        state_local, state_layout = local_shards(tensors)
+        return cls(model_local, model_layout, state_local, state_layout, structure)
+
+
 def write_sharded(
     path: Path,
     model_state: dict[str, torch.Tensor],
@@ -85,6 +116,12 @@ def write_sharded(
 ) -> None:
     """Write this rank's files of checkpoint `path`; rank 0 then writes meta.json and renames `path.tmp/` into
     place. Every rank calls it, with its own tensors; `meta` is rank 0's. `durable` as for write_checkpoint."""
+    commit_sharded(path, LocalParts.of(model_state, state), meta, ranks, durable)
+
+
+def commit_sharded(path: Path, parts: LocalParts, meta: dict[str, Any], ranks: Ranks, durable: bool = True) -> None:
+    """write_sharded from this rank's parts, already taken (the background writer's copies of them): every rank
+    calls it, and the ranks agree through `ranks` alone (a group of their own when it runs on a thread)."""
     tmp = path.with_name(path.name + ".tmp")
     failure: Optional[str] = None
     if ranks.rank == 0:
@@ -97,7 +134,7 @@ def write_sharded(
     _agree(ranks.gather_objects(failure))  # the folder exists before any rank writes into it
     record: Any
     try:
-        record = _write_own(tmp, model_state, state, ranks, durable)
+        record = _write_own(tmp, parts, ranks, durable)
     except OSError as err:
         record = str(_save_error(path, err))
     records = ranks.gather_objects(record)  # also the barrier: every rank's files are written
@@ -127,18 +164,12 @@ def _agree(failures: list[Optional[str]]) -> None:
         raise CheckpointSaveError(failure)
 
 
-def _write_own(
-    tmp: Path, model_state: dict[str, torch.Tensor], state: dict[str, Any], ranks: Ranks, durable: bool
-) -> dict[str, Any]:
+def _write_own(tmp: Path, parts: LocalParts, ranks: Ranks, durable: bool) -> dict[str, Any]:
     """This rank's two files in `tmp`; returns what rank 0 needs for meta.json."""
-    tensors: dict[str, torch.Tensor] = {}
-    structure = flatten(state, tensors)
-    model_local, model_layout = local_shards(model_state)
-    state_local, state_layout = local_shards(tensors)
     checksums: dict[str, str] = {}
     flushes: list[Future] = []
     try:
-        for kind, content in (("model", model_local), ("state", state_local)):
+        for kind, content in (("model", parts.model), ("state", parts.state)):
             name = shard_file(kind, ranks.rank, ranks.world_size)
             checksums[name] = _write_tensors(tmp / name, _unshared(content))
             if durable:
@@ -148,7 +179,12 @@ def _write_own(
         for flush in flushes:
             flush.exception()  # a flush still running must not race rank 0's removal of the folder
         raise
-    return {"structure": structure, "checksums": checksums, "model": model_layout, "state": state_layout}
+    return {
+        "structure": parts.structure,
+        "checksums": checksums,
+        "model": parts.model_layout,
+        "state": parts.state_layout,
+    }
 
 
 def _meta(meta: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:

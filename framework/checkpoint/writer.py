@@ -15,6 +15,7 @@ import torch
 
 from framework.checkpoint.format import _join, flatten, unflatten
 from framework.checkpoint.save import write_checkpoint
+from framework.checkpoint.sharded import LocalParts, Ranks, commit_sharded, write_sharded
 from framework.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,36 @@ class CheckpointWriter:
         staged = self._stage(live)
         copy = unflatten(structure, staged)
         self.call(write_checkpoint, path, copy["model"], copy["state"], meta, self.durable)
+        if earlier is not None:
+            raise earlier
+
+    def write_sharded(
+        self,
+        path: Path,
+        model_state: dict[str, torch.Tensor],
+        state: dict[str, Any],
+        meta: dict[str, Any],
+        ranks: Ranks,
+        background_ranks: Optional[Ranks] = None,
+    ) -> None:
+        """This rank's part of sharded checkpoint `path` (every rank calls it). In the background the loop waits
+        only for the copy of this rank's shards into the host buffer; the files are written and committed on the
+        thread, the ranks agreeing through `background_ranks` (a process group of their own)."""
+        if not self.background or background_ranks is None:
+            write_sharded(path, model_state, state, meta, ranks, self.durable)
+            return
+        try:
+            self.wait()  # the staging buffers are about to be overwritten
+            earlier = None
+        except Exception as err:  # noqa: BLE001  (as in write)
+            earlier = err
+        parts = LocalParts.of(model_state, state)
+        staged = self._stage(
+            {**{"m" + k: v for k, v in parts.model.items()}, **{"s" + k: v for k, v in parts.state.items()}}
+        )
+        parts.model = {k: staged["m" + k] for k in parts.model}
+        parts.state = {k: staged["s" + k] for k in parts.state}
+        self.call(commit_sharded, path, parts, meta, background_ranks, self.durable)
         if earlier is not None:
             raise earlier
 

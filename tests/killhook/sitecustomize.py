@@ -12,6 +12,10 @@ optimizer or precision of the run, the interruption comes at the same point of t
 With $KILL_ONCE_FILE, only the first process to reach that step is signalled (a restarted one is not). With
 $KILL_WHEN_EXISTS=PATH, the signal waits (up to 120 s) until PATH exists: a checkpoint written in the background
 is on disk before the kill, however slow the machine (a test that needs something to resume from).
+
+With $KILL_ON_OPEN=PATTERN instead, rank 0 (or the one process) SIGKILLs itself the moment it opens a file whose path
+matches the fnmatch PATTERN (Python's `open` audit event: the checkpoint writer reads each file back after writing
+it): a kill at an exact point of a save, on whichever thread makes it.
 """
 import os
 import signal
@@ -53,3 +57,22 @@ def _kill_after_step(at_step: int, signum: signal.Signals) -> None:
 
 if os.environ.get("KILL_AT_STEP"):
     _kill_after_step(int(os.environ["KILL_AT_STEP"]), signal.Signals[os.environ["KILL_SIGNAL"]])
+
+
+def _kill_on_open(pattern: str) -> None:
+    import fnmatch
+    import sys
+
+    def audit(event: str, args: tuple) -> None:
+        path = args[0] if event == "open" else None
+        if isinstance(path, os.PathLike):
+            path = os.fspath(path)
+        if isinstance(path, str) and fnmatch.fnmatch(path, pattern):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if os.environ.get("RANK") in (None, "0"):
+        sys.addaudithook(audit)
+
+
+if os.environ.get("KILL_ON_OPEN"):
+    _kill_on_open(os.environ["KILL_ON_OPEN"])
