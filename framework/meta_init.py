@@ -110,6 +110,9 @@ class Recorder(TorchFunctionMode):
             self.records[id(alias)] = self.records[id(args[0])]
             self.params.append(alias)  # kept alive: its id is a key
             return alias
+        if name == "__setitem__" and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            # A write into part of a meta tensor (a parameter, or one torch.empty made here): nothing would keep it.
+            self.unreplayable = self.unreplayable or "an item assignment into a parameter or a torch.empty tensor"
         if name.endswith("_") and not name.startswith("__") and name not in IGNORED_OPS:  # in place (not __get__)
             # nn.init's functions hand themselves over with the tensor as a keyword; a Tensor method has it first.
             rest, options = (

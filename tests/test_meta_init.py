@@ -85,8 +85,15 @@ def test_an_init_that_cannot_be_replayed_builds_the_model_whole_from_the_same_rn
         nn.init.orthogonal_(layer.weight)
         return layer
 
+    class Assigned(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            weight = torch.empty(2, 3)
+            weight[:] = torch.arange(6.0).view(2, 3)
+            self.weight = nn.Parameter(weight)
+
     for make, reason in ((padded, "fill_ on a view of a parameter"), (truncated, "code that skips meta parameters"),
-                         (orthogonal, "code that skips meta parameters")):
+                         (orthogonal, "code that skips meta parameters"), (Assigned, "an item assignment")):
         torch.manual_seed(0)
         plain = make()
         torch.manual_seed(0)
