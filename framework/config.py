@@ -296,7 +296,6 @@ LIGHTNING_NAMES: dict[str, Home] = {
     "benchmark": _none("set torch.backends.cudnn.benchmark in your own code"),
     "inference_mode": _none("evaluation runs under torch.no_grad"),
     "use_distributed_sampler": _NO_SAMPLER,
-    "profiler": Home("trainer.profiler", "simple or pytorch"),
     "barebones": _none(
         "turn the extras off one by one: logger.tensorboard=false logger.progress_bar=false "
         "checkpoint=none callbacks=none"

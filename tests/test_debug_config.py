@@ -31,6 +31,7 @@ OPTIONS = {
               "trainer.limit_test_batches": 2},
     "overfit": {**DEBUG, "trainer.max_epochs": 20, "trainer.overfit_batches": 3, "callbacks.early_stopping": None,
                 "trainer.limit_train_batches": 1.0, "trainer.limit_val_batches": 1.0},
+    "profiler": {**DEBUG, "trainer.profiler": "simple", "trainer.detect_anomaly": False},
 }
 
 
