@@ -79,8 +79,10 @@ def data_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str,
     }
 
 
+@functools.cache  # each option is composed by first_of_its_kind, then by its test: once per worker
 def composed(*overrides: str) -> DictConfig:
-    """The job's config with `hydra.runtime.choices` (which option each group got), as run.py composes it."""
+    """The job's config with `hydra.runtime.choices` (which option each group got), as run.py composes it (read
+    only: the same object is returned to every caller)."""
     from hydra import compose, initialize_config_dir
 
     import framework.app  # noqa: F401  (the resolvers conf/config.yaml uses)
@@ -103,11 +105,12 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory
                   ) -> Callable[[tuple[str, ...]], tuple[dict[str, torch.Tensor], Path]]:
     """uninterrupted(overrides) -> (the final state, the run directory) of a run never interrupted, run once per
     distinct composed config: the options that restate a default (model=mlp, optimizer=sgd, ...) all compose
-    the same run."""
-    runs: dict[str, tuple[dict[str, torch.Tensor], Path]] = {}
+    the same run. `overrides` is the option, then the overrides its composed config calls for (the same for two
+    options that compose alike)."""
+    runs: dict[tuple[str, tuple[str, ...]], tuple[dict[str, torch.Tensor], Path]] = {}
 
     def run(overrides: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], Path]:
-        key = job_key(composed(*overrides))
+        key = job_key(composed(overrides[0])), overrides[1:]
         if key not in runs:
             run_dir = tmp_path_factory.mktemp("whole")
             runs[key] = uninterrupted_state(run_dir, overrides), run_dir
