@@ -102,3 +102,16 @@ def test_the_patch_check_finds_a_patch() -> None:
         if isinstance(t, ast.Attribute) and _root(t) in imported
     ]
     assert flagged == ["OmegaConf.load", "hydra.main"]
+
+
+ROOT = FRAMEWORK.parent
+
+
+@pytest.mark.parametrize(("name", "limit", "unit"), [("ARCHITECTURE.md", 1200, "words"), ("README.md", 250, "lines")])
+def test_the_architecture_and_the_readme_stay_short(name: str, limit: int, unit: str) -> None:
+    """ARCHITECTURE.md is a diagram and one short section per part (at most 1,200 words, as `wc -w` counts them);
+    the README is a first page, not a manual (at most 250 lines). A new part tightens the text, not lengthens it."""
+    text = (ROOT / name).read_text()
+    size = len(text.split()) if unit == "words" else len(text.splitlines())
+    assert size > limit // 10, f"{name}: {size} {unit}: the wrong file?"  # a wrong path would pass on nothing
+    assert size <= limit, f"{name}: {size} {unit}, over the limit of {limit}"
