@@ -4,9 +4,10 @@ interrupted, whichever option of whichever group (or experiment preset) it uses.
 
 The matrix is read from conf/ at collection time: every yaml file of every group directory but hydra/,
 experiment presets included, is one test, so an option added to conf/ is covered without editing this
-file. Half of them are stopped by SIGTERM (checkpoint.on_signal saves `last` at that exact step); the other
-half resume from a periodic checkpoint that the uninterrupted run wrote mid-epoch (`resume=CHECKPOINT_DIR`,
-a new run directory): the same restore, one process fewer per option (the suite runs on 2 cores). The signal
+file. Those whose option changes how a run stops or what it saves then (SIGNAL_GROUPS, SIGNAL_OPTIONS) are
+stopped by SIGTERM (checkpoint.on_signal saves `last` at that exact step); the others resume from a periodic
+checkpoint that the uninterrupted run wrote mid-epoch (`resume=CHECKPOINT_DIR`, a new run directory): the same
+restore, one process fewer per option (the suite runs on 2 cores). The signal
 comes from tests/killhook/sitecustomize.py after a chosen optimizer step, so it never depends on the task,
 model or optimizer a preset brings. SIGKILL, with a periodic save possibly still being written, is here for
 the combination of the original report and the callbacks killed twice; test_resume.py and test_fsdp.py kill
@@ -57,8 +58,19 @@ def conf_options() -> list[tuple[str, str]]:
             for path in sorted(group.rglob("*.yaml"))]
 
 
-MATRIX = [pytest.param(group, option, "SIGTERM" if i % 2 == 0 else "periodic", id=f"{group}={option}")
-          for i, (group, option) in enumerate(conf_options())]
+# Stopped by SIGTERM: the groups whose option changes what a stop does or saves (callbacks, checkpoint policies,
+# trackers), the strategies that stop in this process (parallel=single, dp) and the presets that bring a
+# strategy or a stream of their own; spawned DDP's and FSDP's own stops are tested in test_parallel.py,
+# test_fsdp.py and test_requeue.py. The other options (a model, an optimizer, a scheduler, a precision, a data
+# set read in this process) change what is restored, not how the run stops: a periodic checkpoint is that restore.
+SIGNAL_GROUPS = ("callbacks", "checkpoint", "logger")
+SIGNAL_OPTIONS = ("parallel=single", "parallel=dp", "experiment=lm_fsdp", "experiment=lm_stream")
+MATRIX = [pytest.param(group, option, "SIGTERM" if group in SIGNAL_GROUPS or f"{group}={option}" in SIGNAL_OPTIONS
+                       else "periodic", id=f"{group}={option}")
+          for group, option in conf_options()]
+# Settings that are not a conf/ option but change what is saved and restored: a compiled model (its checkpoint
+# must hold the model's own keys, and a resume compiles afresh in a process of its own).
+MATRIX += [pytest.param("trainer.compile", "true", "periodic", id="trainer.compile=true")]
 
 
 @pytest.fixture(scope="session")

@@ -141,14 +141,6 @@ def test_deterministic_mode_trains(compose, tmp_path):
     torch.use_deterministic_algorithms(False)
 
 
-@pytest.mark.e2e
-def test_compiled_model_trains_and_is_saved_unwrapped(compose, tmp_path):
-    trainer = make_trainer(compose, tmp_path, "trainer.compile=true", "trainer.max_steps=2", "trainer.test=false",
-                           "trainer.limit_val_batches=1")
-    assert trainer.fit()["step"] == 2
-    assert not any(k.startswith("_orig_mod") for k in weights(trainer))
-
-
 def test_each_model_preset_trains_on_digits(compose, tmp_path):
     for model in ("mlp", "cnn", "resnet18"):
         summary = make_trainer(compose, tmp_path / model, f"model={model}", "trainer.max_steps=2",
