@@ -1,7 +1,7 @@
 """Shared test helpers and the suite's tiers.
 
 Tiers: every test is exactly one of `unit` (in this process, no subprocess: parts built directly, tiny runs of the
-Trainer; `make test-fast`) or `e2e` (runs run.py or another process), plus `distributed` (process groups: DDP,
+Trainer; `make test-fast`) or `e2e` (runs run.py, another process or a whole benchmark script), plus `distributed` (process groups: DDP,
 FSDP, torchrun) and `slow` (over ~20 s on its own: kills and resumes, requeues, DDP/FSDP runs, the resume matrix)
 where they apply. A module's `pytestmark` gives its tests' tier; a test's own `@pytest.mark.unit` or
 `@pytest.mark.e2e` replaces it. A test with no tier is a collection error, so a new test cannot fall outside both,

@@ -74,6 +74,7 @@ def test_hand_written_loop_trains_and_logs(name, tmp_path, monkeypatch):
     assert [step for step, _ in read_scalars(tmp_path)["train/loss"]] == [2, 4]
 
 
+@pytest.mark.e2e  # a whole benchmark script, in this process
 def test_overhead_script_runs_end_to_end(capsys):
     timings = overhead.main(["--reps", "1", "--short", "2", "--long", "4", "--device", "cpu", "--no-lightning"])
     assert set(timings.runs) == {"framework", "dataloader", "permutation"}
@@ -83,6 +84,7 @@ def test_overhead_script_runs_end_to_end(capsys):
     assert "lightning: not installed (or --no-lightning); skipped" in out
 
 
+@pytest.mark.e2e  # a whole benchmark script, in this process
 def test_predict_script_runs_end_to_end(capsys):
     """bench/predict.py with tiny sizes: a 5-step checkpoint of experiment=bench, the framework's predict stage
     (checked to write the hand-written loop's predictions) and the hand-written loops, one repetition."""
@@ -130,6 +132,7 @@ def test_realistic_contenders_train_the_framework_model_and_optimizer(compose, t
         sorted((len(g["params"]), g["lr"], g["momentum"], g["weight_decay"]) for g in trainer.optimizer.param_groups)
 
 
+@pytest.mark.e2e  # a whole benchmark script, in this process
 def test_checkpoint_training_cost_script_runs_end_to_end(capsys):
     """bench/checkpoint.py --training: epochs after a save against epochs after none, the save made by the
     default checkpoint policy's manager on the background writer; one repetition of 2-step epochs."""
