@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from framework.errors import ConfigError
-from framework.parallel import module_classes, shard_units
+from framework.parallel import classes_used, module_classes, shard_units
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +84,9 @@ def chosen_modules(model: nn.Module, mode: str, parallel_cfg: Any) -> list[nn.Mo
     assert types is not None  # config.validate requires the list with `selective`
     chosen = _outermost(model, [m for m in model.modules() if isinstance(m, types)])
     if not chosen:
-        used = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()})
         raise ConfigError(
             f"parallel.activation_checkpointing_modules={[t.__qualname__ for t in types]}: the model has no "
-            f"module of these classes; expected some of the classes it uses ({', '.join(used[:6])}"
-            f"{', ...' if len(used) > 6 else ''})"
+            f"module of these classes; expected some of the classes it uses ({classes_used(model)})"
         )
     return chosen
 

@@ -365,13 +365,18 @@ def shard_units(model: nn.Module, types: Optional[tuple[type, ...]]) -> list[nn.
         return []
     units = [m for m in reversed(list(model.modules())) if m is not model and isinstance(m, types)]
     if not units:
-        used = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()})
         raise ConfigError(
             f"parallel.shard_modules={[t.__qualname__ for t in types]}: the model has no module of "
-            f"these classes; expected some of the classes it uses ({', '.join(used[:6])}"
-            f"{', ...' if len(used) > 6 else ''}), null for its blocks, or [] for the root only"
+            f"these classes; expected some of the classes it uses ({classes_used(model)}), null for its blocks, "
+            f"or [] for the root only"
         )
     return units
+
+
+def classes_used(model: nn.Module) -> str:
+    """The first classes of the model's modules, by dotted name: what a setting naming module classes could say."""
+    used = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()})
+    return ", ".join(used[:6]) + (", ..." if len(used) > 6 else "")
 
 
 def module_classes(names: Any, key: str) -> Optional[tuple[type, ...]]:

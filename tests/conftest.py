@@ -138,6 +138,22 @@ def compose() -> Iterator:
         yield compose_job
 
 
+# The parallel settings a test's own spawned ranks build a strategy from: FSDP shards the LM's blocks.
+RANK_PARALLEL = {"find_unused_parameters": False, "static_graph": False, "backend": None, "timeout_s": 60,
+                 "shard_modules": ["torch.nn.TransformerEncoderLayer"], "reshard_after_forward": True,
+                 "cpu_offload": False}
+
+
+def join_test_ranks(rank: int, port: int) -> None:
+    """In a rank a test spawned itself (torch.multiprocessing, 2 processes): the environment torchrun would give it,
+    one intra-op thread."""
+    import torch
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+
+
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar series in the run's TensorBoard event files, read with TensorBoard's own reader."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -3,8 +3,6 @@ same as without it, and nothing a checkpoint holds changes (parameter names, sta
 (two gloo processes) give the same gradients with it as without."""
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,10 +11,12 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 from torch import nn
 
+from conftest import RANK_PARALLEL, join_test_ranks
 from experiments.lm import TransformerLM
 from framework import activation_checkpointing
 from framework.config import validate
 from framework.errors import ConfigError
+from framework.launch import free_port
 
 pytestmark = pytest.mark.unit
 
@@ -93,22 +93,12 @@ def test_a_wrong_setting_is_one_line(compose, overrides, message):
         validate(compose(*overrides))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank(rank: int, port: int, out: str) -> None:
     """Gradients of the whole model under ddp and fsdp, with and without full checkpointing."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+    join_test_ranks(rank, port)
     from framework.parallel import DDPStrategy, FSDPStrategy
 
-    cfg = OmegaConf.create({"find_unused_parameters": False, "static_graph": False, "backend": None, "timeout_s": 60,
-                            "shard_modules": ["torch.nn.TransformerEncoderLayer"], "reshard_after_forward": True,
-                            "cpu_offload": False})
+    cfg = OmegaConf.create(RANK_PARALLEL)
     tokens = torch.randint(0, 256, (2, SMALL["block_size"] + 1), generator=torch.Generator().manual_seed(rank))
     results = {}
     for name, cls in (("ddp", DDPStrategy), ("fsdp", FSDPStrategy)):
@@ -133,10 +123,25 @@ def _rank(rank: int, port: int, out: str) -> None:
 @pytest.mark.distributed
 def test_ddp_and_fsdp_give_the_same_gradients_with_full_checkpointing(tmp_path: Path):
     out = str(tmp_path / "grads.pt")
-    mp.start_processes(_rank, args=(_free_port(), out), nprocs=2, start_method="spawn")
+    mp.start_processes(_rank, args=(free_port(), out), nprocs=2, start_method="spawn")
     results = torch.load(out)
     for name in ("ddp", "fsdp"):
         plain, checkpointed = results[name, "none"], results[name, "full"]
         assert list(plain) == list(checkpointed)
         for key in plain:
             torch.testing.assert_close(checkpointed[key], plain[key], rtol=0, atol=1e-6, msg=f"{name} {key}")
+
+
+@pytest.mark.parametrize("key", ["parallel.activation_checkpointing_modules", "parallel.shard_modules"])
+def test_classes_the_model_does_not_use_are_one_line_naming_the_key_and_the_classes_it_does_use(key):
+    from framework.parallel import module_classes, shard_units
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(ConfigError) as refused:
+        if key == "parallel.shard_modules":
+            shard_units(model, module_classes(["torch.nn.TransformerEncoderLayer"], key))
+        else:
+            activation_checkpointing.apply(model, parallel("selective", ["torch.nn.TransformerEncoderLayer"]))
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith(f"{key}=['TransformerEncoderLayer']: the model has no module")
+    assert "torch.nn.modules.linear.Linear" in line and "torch.nn.modules.activation.ReLU" in line

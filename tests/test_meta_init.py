@@ -4,8 +4,6 @@ whatever the number of ranks; what cannot be replayed is built whole; init_from 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,8 +13,10 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 from torch import nn
 
+from conftest import RANK_PARALLEL, join_test_ranks
 from experiments.lm import TransformerLM
 from framework import meta_init
+from framework.launch import free_port
 from framework.zoo.models import MLP
 
 pytestmark = pytest.mark.unit
@@ -106,21 +106,11 @@ def test_an_init_that_cannot_be_replayed_builds_the_model_whole_from_the_same_rn
             assert torch.equal(got, want)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank(rank: int, port: int, weights: str, out: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+    join_test_ranks(rank, port)
     from framework.parallel import FSDPStrategy
 
-    cfg = OmegaConf.create({"find_unused_parameters": False, "static_graph": False, "backend": None, "timeout_s": 60,
-                            "shard_modules": ["torch.nn.TransformerEncoderLayer"], "reshard_after_forward": True,
-                            "cpu_offload": False})
+    cfg = OmegaConf.create(RANK_PARALLEL)
     strategy = FSDPStrategy(cfg, "cpu")
     results = {}
     for init_from in (None, weights):
@@ -146,7 +136,7 @@ def test_two_fsdp_ranks_hold_the_plain_builds_weights_or_init_froms(tmp_path: Pa
     other = {k: torch.randn_like(v) for k, v in plain.state_dict().items()}
     save_file(other, str(tmp_path / "w.safetensors"))
     out = str(tmp_path / "out.pt")
-    mp.start_processes(_rank, args=(_free_port(), str(tmp_path / "w.safetensors"), out), nprocs=2,
+    mp.start_processes(_rank, args=(free_port(), str(tmp_path / "w.safetensors"), out), nprocs=2,
                        start_method="spawn")
     results = torch.load(out)
     for name, value in plain.state_dict().items():
