@@ -173,7 +173,8 @@ def write_record(made: FoldSplit, run_dir: Path) -> None:
         try:
             before = json.loads(path.read_text())
         except (OSError, ValueError):
-            before = None  # damaged: written again
+            before = None  # damaged: written again, from the seed that cut it (the record is derived, not source)
+            log.warning("%s is damaged; it is written again from data.folds, data.fold and the seed", path)
         if before == record:
             return
         if isinstance(before, dict):
