@@ -5,6 +5,7 @@ or SIGTERM (checkpoint.on_signal saves `last` at that exact mid-epoch position).
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -33,7 +34,8 @@ class SelfSignalTask(ClassificationTask):
     def training_step(self, batch: Any) -> StepOutput:
         self.calls += 1
         if str(self.calls) == os.environ.get("KILL_AT") and os.environ.get("RANK", "0") == "0":
-            target = os.getppid() if os.environ.get("KILL_PID") == "parent" else os.getpid()
+            parent = multiprocessing.parent_process()  # run.py, whichever process forked this worker
+            target = (parent.pid if parent else os.getppid()) if os.environ.get("KILL_PID") == "parent" else os.getpid()
             os.kill(target, getattr(signal, os.environ["KILL_SIGNAL"]))
         return super().training_step(batch)
 

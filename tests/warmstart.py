@@ -35,6 +35,7 @@ import atexit
 import json
 import os
 import selectors
+import shlex
 import signal
 import socket
 import subprocess
@@ -56,6 +57,7 @@ STARTUP_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "LD
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+RANK_EXECUTABLE = "spawned"  # in the warm process's folder, beside its socket
 
 
 class WarmStarter:
@@ -66,6 +68,12 @@ class WarmStarter:
         self.folder = tempfile.mkdtemp(prefix="warmstart-")
         self.address = os.path.join(self.folder, "socket")
         log = os.path.join(self.folder, "log")  # a file, not a pipe nobody reads once it has started
+        # What a run's multiprocessing starts instead of the interpreter for a spawned process (see _as_spawned).
+        rank = os.path.join(self.folder, RANK_EXECUTABLE)
+        with open(rank, "w") as script:
+            script.write(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -S -E {shlex.quote(__file__)} --spawned '
+                         f'{shlex.quote(self.address)} {shlex.quote(sys.executable)} "$@"\n')
+        os.chmod(rank, 0o755)
         with open(log, "wb") as errors:
             self.process = subprocess.Popen([sys.executable, __file__, self.address], env=self.env,
                                             stdin=subprocess.DEVNULL, stdout=errors, stderr=errors)
@@ -147,6 +155,7 @@ def _read_both(out_fd: int, err_fd: int, deadline: float) -> tuple[Optional[str]
 # ------------------------------------------------------------------------------------------- the warm process
 # A run's exit status, set in its own process once run.py has ended (not for Ctrl-C): see the module's docstring.
 _EXIT_STATUS: list[int] = []
+_ADDRESS: list[str] = []  # the warm process's socket
 
 
 def _exit_without_teardown() -> None:
@@ -169,6 +178,7 @@ def _serve(address: str) -> None:
     import threading
 
     atexit.register(_exit_without_teardown)  # before any import registers one of its own: so it runs last
+    _ADDRESS.append(address)
     # As `python run.py` has it: the script's folder (the repository) first, where `framework` is.
     sys.path[0] = str(Path(__file__).resolve().parents[1])
     for name in PRELOAD:
@@ -187,22 +197,24 @@ def _serve(address: str) -> None:
     listener.listen(8)
     os.rename(address + ".tmp", address)  # the client waits for the name: it appears once we listen
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    started_with = {key: os.environ.get(key) for key in STARTUP_ENV}
     while True:
         conn, _ = listener.accept()
-        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 256)
         request = json.loads(message)
-        if os.fork() == 0:  # the reaper
+        if "fds" in request and any(request["env"].get(k) != v for k, v in started_with.items()):
+            conn.sendall(b"cold\n")  # a spawned process this warm one cannot stand for: it starts fresh
+        elif os.fork() == 0:  # the reaper
             listener.close()
             pid = os.fork()
             if pid == 0:
                 conn.close()
-                _become_run(request, fds)
-                return  # only reached by the run's own process, which _become_run returns into to exit
+                (_become_spawned if "fds" in request else _become_run)(request, fds)
+                return  # only reached by the run's own process, which returns into here to exit
             for fd in fds:
                 os.close(fd)
             conn.sendall(f"{pid}\n".encode())
-            _, status = os.waitpid(pid, 0)
-            conn.sendall(f"{status}\n".encode())
+            conn.sendall(f"{_wait_for(pid, conn)}\n".encode())
             os._exit(0)
         conn.close()
         for fd in fds:
@@ -215,11 +227,45 @@ def _serve(address: str) -> None:
                 break
 
 
+def _sitecustomize(extra: list[str]) -> None:
+    """What `site` does at start-up: import the first `sitecustomize` on the path (a test's kill hook, say)."""
+    import importlib.util
+
+    found = next((Path(folder, "sitecustomize.py") for folder in extra if Path(folder, "sitecustomize.py").exists()),
+                 None)
+    if found is not None:
+        spec = importlib.util.spec_from_file_location("sitecustomize", found)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["sitecustomize"] = module
+        spec.loader.exec_module(module)
+
+
+def _fresh_streams() -> None:
+    """Fresh text streams over descriptors 0, 1 and 2, as the interpreter makes them at start-up."""
+    sys.stdout = open(1, "w", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
+    sys.stdin = open(0, "r", closefd=False)
+
+
+def _wait_for(pid: int, conn: socket.socket) -> int:
+    """The run's wait status. Should its client go first (a spawned process's stand-in SIGKILLed by its parent's
+    process context), the run is killed, as that process would have been."""
+    pidfd = os.pidfd_open(pid)
+    with selectors.DefaultSelector() as selector:
+        selector.register(pidfd, selectors.EVENT_READ)  # readable once the run has ended
+        selector.register(conn, selectors.EVENT_READ)  # readable only once the client has closed its end
+        if all(key.fileobj is conn for key, _ in selector.select()):
+            os.kill(pid, signal.SIGKILL)
+    os.close(pidfd)
+    return os.waitpid(pid, 0)[1]
+
+
 def _become_run(request: dict, fds: list[int]) -> None:
     """In the forked child: the run's standard streams, environment, working directory, path, argv and
     sitecustomize, then run.py as `__main__`; its SystemExit (or none) ends this interpreter as it would end
     `python run.py`."""
-    import importlib.util
+    import multiprocessing.spawn
     import runpy
 
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -242,18 +288,10 @@ def _become_run(request: dict, fds: list[int]) -> None:
     sys.path[:] = [first, *extra, *[p for p in sys.path[1:] if p not in extra and p != first]]
     sys.argv[:] = argv[1:] if as_module else argv  # run_module puts the module's file in argv[0], as -m does
     sys.orig_argv[:] = [sys.executable, *request["argv"]]  # the command line `python run.py ...` would have had
-    # What `site` does at start-up: import the first `sitecustomize` on the path (a test's kill hook, say).
-    found = next((Path(folder, "sitecustomize.py") for folder in extra if Path(folder, "sitecustomize.py").exists()),
-                 None)
-    if found is not None:
-        spec = importlib.util.spec_from_file_location("sitecustomize", found)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["sitecustomize"] = module
-        spec.loader.exec_module(module)
-    sys.stdout = open(1, "w", closefd=False)  # fresh text streams over the new descriptors
-    sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
-    sys.stdin = open(0, "r", closefd=False)
+    _sitecustomize(extra)
+    _fresh_streams()
+    # The processes this run spawns (torch.multiprocessing's DDP workers) are forked from here too (_as_spawned).
+    multiprocessing.spawn.set_executable(os.path.join(os.path.dirname(_ADDRESS[0]), RANK_EXECUTABLE))
     try:
         if as_module:
             # A fresh `python -m framework.export` imports its package, then runs the module as __main__ only: a copy
@@ -275,5 +313,104 @@ def _become_run(request: dict, fds: list[int]) -> None:
         _EXIT_STATUS.append(0)
 
 
+# ---------------------------------------------------------------------------------- spawned processes of a run
+# multiprocessing's spawn start method (torch.multiprocessing's, for parallel=ddp and fsdp) starts
+# `python -c "from multiprocessing.spawn import spawn_main; spawn_main(...)" --multiprocessing-fork`, handing over
+# the descriptors it names. A run forked from the warm process has that executable set to a script beside the
+# socket, which runs _as_spawned: a stand-in that hands its descriptors, environment and signal mask to the warm
+# process, which forks the real process from itself (each one skips ~2 CPU-s of imports), then forwards every stop
+# signal to it and ends as it ended. Should the stand-in be SIGKILLed, the warm process kills the real one.
+def _as_spawned(address: str, python: str, args: list[str]) -> None:
+    inherited = sorted(int(name) for name in os.listdir("/proc/self/fd"))
+    inherited = [fd for fd in inherited if _is_open(fd)]
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    # Before `-c`: the interpreter flags multiprocessing copies from the run's interpreter (-B where
+    # PYTHONDONTWRITEBYTECODE is set, -W, -X): the warm process's own, which the run was forked from.
+    if "-c" not in args or args.index("-c") + 1 >= len(args):
+        os.execv(python, [python, *args])
+    args = args[args.index("-c") :]
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(address)
+    except OSError:  # the warm process has ended
+        os.execv(python, [python, *args])
+    ignored = [int(s) for s in STOP_SIGNALS if signal.getsignal(s) is signal.SIG_IGN]
+    request = {"argv": args, "env": dict(os.environ), "cwd": os.getcwd(), "ignored": ignored, "fds": inherited,
+               "mask": [int(s) for s in mask]}
+    socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], inherited)
+    with conn.makefile("rb") as reply:
+        first = reply.readline()
+        if first == b"cold\n":
+            os.execv(python, [python, *args])
+        for fd in inherited:
+            if fd > 2:  # the pipes multiprocessing watches: held by the real process alone
+                os.close(fd)
+        pid = int(first)
+        forwarded = [s for s in STOP_SIGNALS if int(s) not in ignored]
+        for sig in forwarded:
+            signal.signal(sig, lambda signum, _frame: _forward(pid, signum))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded)  # what came while it started: forwarded now
+        status = int(reply.readline())
+    if os.WIFSIGNALED(status):  # ended by a signal: so is its stand-in
+        died_of = os.WTERMSIG(status)
+        if died_of not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(died_of, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [died_of])
+        os.kill(os.getpid(), died_of)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def _forward(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:  # it has just ended: its status is on its way
+        pass
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _become_spawned(request: dict, fds: list[int]) -> None:
+    """In the forked child: the stand-in's descriptors at their own numbers, its signal mask, environment and
+    working directory, then `python -c PROGRAM`'s path, argv and __main__, and the program. Its exit is the whole
+    interpreter's (a DDP worker's process group ends there)."""
+    import types
+
+    import fcntl
+
+    above = max([*request["fds"], *fds]) + 1
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, above) for fd in fds]  # out of the way of the numbers they go to
+    for fd in fds:
+        os.close(fd)
+    for old, number in zip(moved, request["fds"]):
+        os.dup2(old, number)
+        os.close(old)
+    for sig in STOP_SIGNALS:
+        default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+        signal.signal(sig, signal.SIG_IGN if int(sig) in request["ignored"] else default)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [signal.Signals(s) for s in request["mask"]])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = ["", *extra, *[p for p in sys.path[1:] if p not in extra]]
+    program, *rest = request["argv"][1:]
+    sys.argv[:] = ["-c", *rest]
+    sys.orig_argv[:] = [sys.executable, *request["argv"]]
+    _sitecustomize(extra)
+    _fresh_streams()
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"] = main
+    exec(compile(program, "<string>", "exec"), main.__dict__)
+
+
 if __name__ == "__main__":
-    _serve(sys.argv[1])
+    if sys.argv[1] == "--spawned":
+        _as_spawned(sys.argv[2], sys.argv[3], sys.argv[4:])
+    else:
+        _serve(sys.argv[1])

@@ -21,6 +21,15 @@ import os
 import signal
 
 
+def _parent() -> int:
+    """The process that started this one: a spawned worker's is multiprocessing's record of it (the tests fork
+    workers from a warm process, tests/warmstart.py, whose helper is their OS parent); torchrun's agent otherwise."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    return parent.pid if parent is not None else os.getppid()
+
+
 def _kill_after_step(at_step: int, signum: signal.Signals) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -50,7 +59,7 @@ def _kill_after_step(at_step: int, signum: signal.Signals) -> None:
         # process. SIGKILL goes to this process: rank 0 dies, and the parent must end the other workers.
         spawned = rank is not None and "TORCHELASTIC_RUN_ID" not in os.environ
         to_parent = signum == signal.SIGTERM and rank is not None or signum != signal.SIGKILL and spawned
-        os.kill(os.getppid() if to_parent else os.getpid(), signum)
+        os.kill(_parent() if to_parent else os.getpid(), signum)
 
     register_optimizer_step_post_hook(after_optimizer_step)
 
