@@ -23,15 +23,19 @@ interpreter does *at start-up* (PYTHON* variables, the hash seed, the OpenMP or 
 it is imported). A `sitecustomize` on the run's PYTHONPATH (the kill hook) is imported by the child before run.py,
 as `site` would at start-up; the warm process itself is started without one. Tests of start-up itself
 (test_package, the entry points) always start fresh interpreters. `python -m MODULE` is forked too, and run as -m
-runs it (runpy.run_module).
+runs it (runpy.run_module). The processes a run spawns (parallel=ddp's and fsdp's workers, ~2 CPU-s of imports
+each) are forked from the warm process as well, through a stand-in (_as_spawned); they exit the whole way.
 
-Protocol (a Unix socket): the client sends one JSON line {argv, env, cwd} with its stdout and stderr pipes'
-write ends attached (SCM_RIGHTS), and reads back two lines: the child's pid, then its wait status. The warm
-process forks a reaper per run, which forks the run and waits for it, so the warm process never has threads.
+Protocol (a Unix socket): the client sends one JSON line {argv, env, cwd, ignored} with its stdout and stderr pipes'
+write ends attached (SCM_RIGHTS), and reads back two lines: the child's pid, then its wait status (a spawned
+process's stand-in sends every descriptor it inherited, their numbers and its signal mask, and may be told `cold`).
+The warm process forks a reaper per run, which forks the run and waits for it, so the warm process never has
+threads; the reaper kills the run if its client goes first.
 """
 from __future__ import annotations
 
 import atexit
+import io
 import json
 import os
 import selectors
@@ -242,9 +246,15 @@ def _sitecustomize(extra: list[str]) -> None:
 
 
 def _fresh_streams() -> None:
-    """Fresh text streams over descriptors 0, 1 and 2, as the interpreter makes them at start-up."""
-    sys.stdout = open(1, "w", closefd=False)
-    sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
+    """Fresh text streams over descriptors 0, 1 and 2, as the interpreter makes them at start-up: with
+    PYTHONUNBUFFERED (in the run's environment, now this process's), stdout and stderr write through."""
+    if os.environ.get("PYTHONUNBUFFERED"):
+        sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), errors="backslashreplace",
+                                      write_through=True)
+    else:
+        sys.stdout = open(1, "w", closefd=False)
+        sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
     sys.stdin = open(0, "r", closefd=False)
 
 
