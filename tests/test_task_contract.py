@@ -56,7 +56,8 @@ def fit(compose, run_dir: Path, task: type, *overrides: str, resume_from: Any = 
 
 
 def build(compose, run_dir: Path, task: type, *overrides: str, resume_from: Any = None) -> Trainer:
-    cfg = compose(*TINY, f"task._target_={HERE}.{task.__name__}", *overrides)
+    cfg = compose(*TINY, *overrides)  # composed once for every task these overrides go with (conftest caches it)
+    cfg.task._target_ = f"{HERE}.{task.__name__}"  # what `task._target_=...` on the command line sets
     run_dir.mkdir(parents=True, exist_ok=True)
     return Trainer(cfg, run_dir, resume_from=resume_from)
 
