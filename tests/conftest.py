@@ -82,7 +82,8 @@ _WARM: list[WarmStarter] = []
 
 def warm_starter() -> WarmStarter:
     """This pytest process's warm process (tests/warmstart.py), started at its first run and ended with it: each
-    run is a real process forked from it, which skips the ~3 CPU-s of imports every `python run.py` pays."""
+    run is a real process forked from it, which skips the ~3 CPU-s of imports every `python run.py` pays, and so
+    are the DDP and FSDP workers it spawns (~2 CPU-s each)."""
     if not _WARM:
         _WARM.append(WarmStarter(run_env()))
         atexit.register(_WARM[0].close)
