@@ -115,3 +115,12 @@ def test_the_architecture_and_the_readme_stay_short(name: str, limit: int, unit:
     size = len(text.split()) if unit == "words" else len(text.splitlines())
     assert size > limit // 10, f"{name}: {size} {unit}: the wrong file?"  # a wrong path would pass on nothing
     assert size <= limit, f"{name}: {size} {unit}, over the limit of {limit}"
+
+
+def test_the_readmes_task_is_the_file_its_experiment_trains() -> None:
+    """The README's Python is experiments/readme_task.py, which `experiment=readme` trains (the resume matrix runs
+    it): an edit to one that is not made to the other fails here, so the page a newcomer copies is the tested code."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert blocks, "README.md has no ```python block"
+    assert blocks[0] == (ROOT / "experiments" / "readme_task.py").read_text()
+    assert "experiments.readme_task.DigitsTask" in (ROOT / "conf" / "experiment" / "readme.yaml").read_text()
