@@ -13,12 +13,12 @@ window, AdamW). Each rank's peak resident memory (VmHWM, reset through /proc/sel
 above its resident memory then, up to the first step and through it, after the same run on a tiny model (so that
 the library code it runs is already resident); the shards' sums show the weights equal.
 
-save: the memory part's 56.7 M model and its AdamW state after a step, saved by `CheckpointManager` (every rank its
+save: the memory part's 57.1 M model and its AdamW state after a step, saved by `CheckpointManager` (every rank its
 own shards, rank 0 meta.json last) after each of `--saves` steps, inline (checkpoint.async_save=false) and in the
 background, alternating in two rounds: the time `save` blocks the caller on each rank, and in the background the
 time until the checkpoint is committed (waited for outside the timed part, so a save never waits for the last).
 
-memory (and time): experiments/lm.py's TransformerLM at width 768, 8 layers (56.7 M parameters), wrapped by the
+memory (and time): experiments/lm.py's TransformerLM at width 768, 8 layers (57.1 M parameters), wrapped by the
 framework's own strategies (`DDPStrategy.wrap`, `FSDPStrategy.wrap` with each TransformerEncoderLayer a shard
 unit) in 2 spawned processes, AdamW. After the warm-up steps, each rank counts the bytes of what it holds:
 its parameters (FSDP: its shards, `DTensor.to_local()`), their gradients (after backward, before zero_grad) and
