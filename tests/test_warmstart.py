@@ -40,14 +40,15 @@ SPAWNING = """
 import multiprocessing, os, signal, sys, time
 
 def child(case, folder):
-    open(os.path.join(folder, "child"), "w").write(
-        f"{os.getpid()} {multiprocessing.parent_process().pid} {int('torch' in sys.modules)}")
+    if case == "terminate":  # before the parent may send it: it sends once the file below exists
+        signal.signal(signal.SIGTERM, lambda *_: (open(os.path.join(folder, "got"), "w").close(), sys.exit(0)))
+    with open(os.path.join(folder, "child.tmp"), "w") as f:
+        f.write(f"{os.getpid()} {multiprocessing.parent_process().pid} {int('torch' in sys.modules)}")
+    os.rename(os.path.join(folder, "child.tmp"), os.path.join(folder, "child"))  # whole when it appears
     if case == "exit":
         sys.exit(7)
     if case == "signal":
         os.kill(os.getpid(), signal.SIGUSR1)
-    if case == "terminate":
-        signal.signal(signal.SIGTERM, lambda *_: (open(os.path.join(folder, "got"), "w").close(), sys.exit(0)))
     time.sleep(60)
 
 if __name__ == "__main__":

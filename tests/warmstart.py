@@ -61,7 +61,7 @@ STARTUP_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "LD
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-RANK_EXECUTABLE = "spawned"  # in the warm process's folder, beside its socket
+SPAWNED_EXECUTABLE = "spawned"  # in the warm process's folder, beside its socket
 
 
 class WarmStarter:
@@ -73,11 +73,11 @@ class WarmStarter:
         self.address = os.path.join(self.folder, "socket")
         log = os.path.join(self.folder, "log")  # a file, not a pipe nobody reads once it has started
         # What a run's multiprocessing starts instead of the interpreter for a spawned process (see _as_spawned).
-        rank = os.path.join(self.folder, RANK_EXECUTABLE)
-        with open(rank, "w") as script:
+        spawned = os.path.join(self.folder, SPAWNED_EXECUTABLE)
+        with open(spawned, "w") as script:
             script.write(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -S -E {shlex.quote(__file__)} --spawned '
                          f'{shlex.quote(self.address)} {shlex.quote(sys.executable)} "$@"\n')
-        os.chmod(rank, 0o755)
+        os.chmod(spawned, 0o755)
         with open(log, "wb") as errors:
             self.process = subprocess.Popen([sys.executable, __file__, self.address], env=self.env,
                                             stdin=subprocess.DEVNULL, stdout=errors, stderr=errors)
@@ -231,6 +231,17 @@ def _serve(address: str) -> None:
                 break
 
 
+def _take_over(request: dict) -> None:
+    """The client's stop signals (as a fresh interpreter started by it would have them: those it ignores ignored),
+    environment and working directory."""
+    for sig in STOP_SIGNALS:
+        default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+        signal.signal(sig, signal.SIG_IGN if int(sig) in request["ignored"] else default)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+
+
 def _sitecustomize(extra: list[str]) -> None:
     """What `site` does at start-up: import the first `sitecustomize` on the path (a test's kill hook, say)."""
     import importlib.util
@@ -284,12 +295,7 @@ def _become_run(request: dict, fds: list[int]) -> None:
     os.dup2(fds[1], 2)
     for fd in (devnull, *fds):
         os.close(fd)
-    for sig in STOP_SIGNALS:  # as a fresh interpreter started by the client would have them
-        default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
-        signal.signal(sig, signal.SIG_IGN if int(sig) in request["ignored"] else default)
-    os.environ.clear()
-    os.environ.update(request["env"])
-    os.chdir(request["cwd"])
+    _take_over(request)
     argv = request["argv"]
     as_module = argv[1] if argv[0] == "-m" else None  # `python -m MODULE ...`: the working directory heads the path
     script = None if as_module else os.path.abspath(argv[0])
@@ -301,7 +307,7 @@ def _become_run(request: dict, fds: list[int]) -> None:
     _sitecustomize(extra)
     _fresh_streams()
     # The processes this run spawns (torch.multiprocessing's DDP workers) are forked from here too (_as_spawned).
-    multiprocessing.spawn.set_executable(os.path.join(os.path.dirname(_ADDRESS[0]), RANK_EXECUTABLE))
+    multiprocessing.spawn.set_executable(os.path.join(os.path.dirname(_ADDRESS[0]), SPAWNED_EXECUTABLE))
     try:
         if as_module:
             # A fresh `python -m framework.export` imports its package, then runs the module as __main__ only: a copy
@@ -389,9 +395,8 @@ def _become_spawned(request: dict, fds: list[int]) -> None:
     """In the forked child: the stand-in's descriptors at their own numbers, its signal mask, environment and
     working directory, then `python -c PROGRAM`'s path, argv and __main__, and the program. Its exit is the whole
     interpreter's (a DDP worker's process group ends there)."""
-    import types
-
     import fcntl
+    import types
 
     above = max([*request["fds"], *fds]) + 1
     moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, above) for fd in fds]  # out of the way of the numbers they go to
@@ -400,13 +405,8 @@ def _become_spawned(request: dict, fds: list[int]) -> None:
     for old, number in zip(moved, request["fds"]):
         os.dup2(old, number)
         os.close(old)
-    for sig in STOP_SIGNALS:
-        default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
-        signal.signal(sig, signal.SIG_IGN if int(sig) in request["ignored"] else default)
+    _take_over(request)
     signal.pthread_sigmask(signal.SIG_SETMASK, [signal.Signals(s) for s in request["mask"]])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    os.chdir(request["cwd"])
     extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = ["", *extra, *[p for p in sys.path[1:] if p not in extra]]
     program, *rest = request["argv"][1:]
