@@ -24,9 +24,10 @@ from omegaconf import Container, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework import __version__, config, provenance, resume, rundir, sweep, trackers
-from framework.errors import ConfigError, Interrupted, UserError, full_error
+from framework.errors import ConfigError, Interrupted, UserError, full_error, os_error_line
 from framework.launch import WorkerFailed, spawn
 from framework.loggers import write_json
+from framework.progress import file_only
 from framework.signals import STOP_ONLY
 from framework.sweep import DRY_RUN
 
@@ -112,6 +113,13 @@ def main(cfg: DictConfig) -> Any:
         sys.exit(1)
     except WorkerFailed as err:  # a bug in a spawned worker: its traceback is the useful part
         log.error("Error: a worker process failed:\n%s", err)
+        sys.exit(1)
+    except OSError as err:  # a full disk, a folder it cannot write: the path, in one line; the traceback in run.log
+        if full_error():
+            raise
+        file_only("".join(traceback.format_exception(err)).rstrip())
+        _discard_attempt(started=bool(started))
+        log.error("Error: %s", os_error_line(err))
         sys.exit(1)
     except KeyboardInterrupt:
         log.error("Interrupted.")

@@ -26,3 +26,10 @@ class Interrupted(UserError):
         super().__init__(message)
         self.signum = signum
         self.previous_handler = previous_handler  # the signal's handler before the run's (submitit's, say)
+
+
+def os_error_line(err: OSError) -> str:
+    """An OSError as a user reads it (a full disk, a folder that cannot be written): the file, what went wrong,
+    what would fix it."""
+    where = f"{err.filename}: " if err.filename else ""
+    return f"{where}{err.strerror or err}; expected a file system with free space and write permission there"

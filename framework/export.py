@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import warnings
 from dataclasses import dataclass
@@ -42,10 +41,11 @@ from safetensors.torch import load_file, save
 
 from framework import export_onnx
 from framework.checkpoint import META_FILE, MODEL_FILE, Checkpoint, check_compatible, open_checkpoint
+from framework.core import files
 from framework.errors import UserError
 from framework.export_example import Example, batches_to_check, example_input
 from framework.instantiate import build, error_line
-from framework.resume import as_data, check_saved_targets, conf_targets, framework_conf_dir
+from framework.resume import as_data, check_saved_targets, conf_targets, framework_conf_dir, holds_run
 
 WEIGHTS_FILE, TORCHSCRIPT_FILE, REPORT_FILE = "model.safetensors", "model.pt", "export.json"
 FORMATS = ("torchscript", "onnx")
@@ -165,7 +165,7 @@ def export(
     (out / REPORT_FILE).unlink(missing_ok=True)  # an earlier export's findings must not outlive its files
     state = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in model.state_dict().items()}
     metadata = {"source": str(checkpoint.path), "step": str(checkpoint.step)}
-    (out / WEIGHTS_FILE).write_bytes(save(state, metadata=metadata))
+    files.write_bytes(out / WEIGHTS_FILE, save(state, metadata=metadata))
     fresh = build(cfg.model, "model").eval()
     fresh.load_state_dict(load_file(str(out / WEIGHTS_FILE)))
     checked = compare(fresh, model, batches_to_check(model, example, dynamic=True)[0], torch.equal, WEIGHTS_FILE)
@@ -185,7 +185,7 @@ def export(
         report.update(export_torchscript(model, example, out / TORCHSCRIPT_FILE, mode))
     if "onnx" in formats:
         report["onnx"] = export_to_onnx(model, example, out / export_onnx.ONNX_FILE)
-    (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    files.write_json(out / REPORT_FILE, report)
     return Exported(report, which, example)
 
 
@@ -231,7 +231,10 @@ def compare(
 def export_torchscript(model: torch.nn.Module, example: Example, path: Path, mode: str) -> dict[str, Any]:
     """Write the TorchScript file, reload it and check it on the example and a batch of another size (rtol 1e-4,
     atol 1e-5); with CUDA, on CUDA inputs too. Returns export.json's entries for it."""
-    to_torchscript(model, example.batch, mode).save(str(path))
+    program = to_torchscript(model, example.batch, mode)
+    with files.private_dir(path.parent) as scratch:  # TorchScript writes the file itself: never through a link
+        program.save(str(scratch / path.name))
+        files.publish(scratch / path.name, path)
     scripted = _load_torchscript(path, "cpu")
     batches, _ = batches_to_check(model, example, dynamic=True)
     checked = compare(scripted, model, batches, lambda a, b: torch.allclose(a, b, 1e-4, 1e-5), f"{path} ({mode})")
@@ -254,7 +257,9 @@ def export_torchscript(model: torch.nn.Module, example: Example, path: Path, mod
 def export_to_onnx(model: torch.nn.Module, example: Example, path: Path) -> dict[str, Any]:
     """Write the ONNX file, run it with onnxruntime (CPU) and check it on the example and a second batch, of another
     size where its batch dimension is dynamic (1e-4 absolute). Returns export.json's entry for it."""
-    export_onnx.to_onnx(model, example.batch, path)
+    with files.private_dir(path.parent) as scratch:  # torch.onnx writes the file itself: never through a link
+        export_onnx.to_onnx(model, example.batch, scratch / path.name)
+        files.publish(scratch / path.name, path)
     onnx_model = export_onnx.OnnxModel(path)
     batches, dynamic = batches_to_check(model, example, onnx_model.dynamic_batch)
     tolerance = export_onnx.ONNX_TOLERANCE
@@ -374,6 +379,26 @@ def _described(batch: torch.Tensor) -> str:
     return f"{'an' if dtype[0] in 'aeiou' else 'a'} {dtype} tensor of shape {list(batch.shape)}"
 
 
+def check_out(out: Path) -> None:
+    """Export writes only where nothing of a run is: never into a checkpoint (its files are shared with the run's
+    other checkpoints by hard links), anywhere under a `checkpoints/` folder, or into a run directory itself (its
+    default, RUN_DIR/export, is a folder of its own); and a file at `--out` is not a folder to write into."""
+    expected = "expected a new or export-only folder, e.g. RUN_DIR/export (the default)"
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out={str(out)!r}: a file, not a folder; {expected}")
+    real = out.resolve()
+    inside = [real, *real.parents]
+    if any(
+        (folder / META_FILE).exists() or folder.name == "checkpoints" and holds_run(folder.parent) for folder in inside
+    ):
+        raise UserError(
+            f"--out={str(out)!r}: inside a checkpoint, whose files export would replace (every checkpoint of the "
+            f"run shares them); {expected}"
+        )
+    if holds_run(real):
+        raise UserError(f"--out={str(out)!r}: a run directory, which export never writes into; {expected}")
+
+
 def default_out(checkpoint: Checkpoint) -> Path:
     """RUN_DIR/export for a checkpoint inside RUN_DIR/checkpoints/, else CHECKPOINT/export."""
     path = checkpoint.path.resolve()
@@ -443,11 +468,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             export_onnx.require()
         checkpoint = find_checkpoint(args.path, args.which)
         out = args.out or default_out(checkpoint)
+        check_out(out)
         exported = export(
             checkpoint, out, formats, args.torchscript, args.trust_saved_config, args.raw, args.config_dir
         )
     except UserError as err:
         print(f"Error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # a folder it cannot make or write, a disk that is full: the path, in one line
+        where = err.filename or args.out or args.path
+        print(f"Error: {where}: {err.strerror or err}; expected a folder this user can write to", file=sys.stderr)
         return 1
     for warning in exported.example.warnings:
         print(f"Warning: {warning}", file=sys.stderr)

@@ -14,13 +14,16 @@ import os
 import signal
 import socket
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from framework.errors import Interrupted, UserError
+from framework.core.runlog import RunLogHandler
+from framework.errors import Interrupted, UserError, os_error_line
 from framework.loggers import SUMMARY_LOGGER
+from framework.progress import file_only
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +140,7 @@ def _configure_logging(rank: int, run_dir: Path) -> None:
     summary.handlers.clear()
     summary.propagate = rank != 0
     if rank == 0:
-        file = logging.FileHandler(run_dir / "run.log")
+        file = RunLogHandler(str(run_dir / "run.log"))
         file.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
         root.addHandler(file)
         stdout = logging.StreamHandler(sys.stdout)
@@ -186,6 +189,10 @@ def _worker(
     except UserError as err:  # reported once, by the parent, without a traceback
         if rank == 0 or not isinstance(err, Interrupted):
             errors.put((rank, str(err), getattr(err, "signum", None)))
+        sys.exit(1)
+    except OSError as err:  # a full disk, an unwritable folder: one line by the parent, the traceback in run.log
+        file_only("".join(traceback.format_exception(err)).rstrip())
+        errors.put((rank, os_error_line(err), None))
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

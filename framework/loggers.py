@@ -9,13 +9,12 @@ trackers the config chooses (framework/trackers.py: CSV, MLflow) hang there: ran
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from framework.core import files
 from framework.trackers import Trackers
 
 
@@ -91,15 +90,8 @@ class TensorBoardLogger:
 
 
 def write_json(path: Path, data: Mapping[str, Any] | list[Any]) -> None:
-    """Atomic: a reader (or a crash) never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Atomic, never through a link (framework.core.files): a reader (or a crash) never sees half a file."""
+    files.write_json(path, data)
 
 
 # The closing summary's logger: conf/hydra/job_logging/framework.yaml (and launch.py, for spawned workers) send

@@ -5,11 +5,14 @@ Pillow (torchvision's dependency, so always there) draws the same lines plainly.
 from __future__ import annotations
 
 import importlib.util
+import io
 import math
 from pathlib import Path
-from typing import Optional
+from typing import BinaryIO, Optional
 
 import numpy as np
+
+from framework.core import files
 
 SIZE = (640, 420)  # pixels
 
@@ -17,17 +20,21 @@ SIZE = (640, 420)  # pixels
 def plot(
     lrs: list[float], smoothed: list[float], raw: list[float], suggestion: Optional[float], path: Path
 ) -> np.ndarray:
-    """Write the PNG to `path`; return its pixels (height, width, RGB) for TensorBoard."""
+    """Write the PNG to `path` (through framework.core.files); return its pixels (height, width, RGB) for
+    TensorBoard."""
     draw = with_matplotlib if importlib.util.find_spec("matplotlib") is not None else with_pillow
-    draw(lrs, smoothed, raw, suggestion, path)
+    png = io.BytesIO()
+    draw(lrs, smoothed, raw, suggestion, png)
+    files.write_bytes(path, png.getvalue())
     from PIL import Image
 
-    with Image.open(path) as image:
+    png.seek(0)
+    with Image.open(png) as image:
         return np.asarray(image.convert("RGB"))
 
 
 def with_matplotlib(
-    lrs: list[float], smoothed: list[float], raw: list[float], suggestion: Optional[float], path: Path
+    lrs: list[float], smoothed: list[float], raw: list[float], suggestion: Optional[float], out: BinaryIO
 ) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -45,11 +52,11 @@ def with_matplotlib(
     axes.set_ylim(*_loss_range(smoothed, raw))
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, format="png")
+    figure.savefig(out, format="png")
 
 
 def with_pillow(
-    lrs: list[float], smoothed: list[float], raw: list[float], suggestion: Optional[float], path: Path
+    lrs: list[float], smoothed: list[float], raw: list[float], suggestion: Optional[float], out: BinaryIO
 ) -> None:
     from PIL import Image, ImageDraw
 
@@ -81,7 +88,7 @@ def with_pillow(
     pen.text((left, height - 16), "learning rate (log)", fill="black")
     pen.text((4, top), f"{high:.3g}", fill="black")
     pen.text((4, bottom - 10), f"{low:.3g}", fill="black")
-    image.save(path, format="PNG")
+    image.save(out, format="PNG")
 
 
 def _loss_range(smoothed: list[float], raw: list[float]) -> tuple[float, float]:

@@ -8,6 +8,7 @@ reports its own peak, not the process's since it started (nor an earlier job's o
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Sequence
@@ -36,8 +37,12 @@ class PeakMemory:
         for device in self.cuda:
             torch.cuda.reset_peak_memory_stats(device)
         if not self.cuda:
-            try:
-                _CLEAR_REFS.write_text("5")
+            try:  # a kernel interface, not a file of ours: written in place, as the kernel asks
+                fd = os.open(_CLEAR_REFS, os.O_WRONLY)
+                try:
+                    os.write(fd, b"5")
+                finally:
+                    os.close(fd)
             except OSError:  # no /proc (or not Linux): ru_maxrss, the peak since the start, is all there is
                 pass
 

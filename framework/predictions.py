@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import re
 from collections import deque
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from framework.core import files
 from framework.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -142,14 +142,10 @@ class PredictionWriter:
         columns = [pa.array(torch.cat([i for i, _ in batches]).numpy(), type=pa.int64())]
         columns += [_joined([pieces[name] for _, pieces in batches]) for name in self._schema.names[1:]]
         chunk = pa.RecordBatch.from_arrays(columns, schema=self._schema)
-        tmp = path.with_name(path.name + ".tmp")
         try:
-            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, self._schema) as part:
-                part.write_batch(chunk)
-            os.replace(tmp, path)
+            with files.replacing(path, fsync=False) as sink, pa.ipc.new_file(sink, self._schema) as part:
+                part.write_batch(chunk)  # (a part lost to a power cut is predicted again: see done())
         except OSError as err:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
             raise _unwritable(path.parent, err) from None
         self._seq += 1
 
@@ -383,27 +379,10 @@ def _unwritable(path: Path, err: OSError) -> UserError:
 def _atomic_parquet(
     path: Path, schema: pa.Schema, options: Mapping[str, Any] = WRITE_OPTIONS
 ) -> Iterator[pq.ParquetWriter]:
-    """A ParquetWriter whose file appears at `path` only once complete: written to `path.tmp`, fsync'd, renamed
-    (then the folder fsync'd, so the rename survives a crash). An OSError is a UserError naming the path."""
-    tmp = path.with_name(path.name + ".tmp")
+    """A ParquetWriter whose file appears at `path` only once complete (framework.core.files: a new inode, never
+    through a link, fsync'd and renamed). An OSError is a UserError naming the path."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as file:
-            with pq.ParquetWriter(file, schema, **options) as writer:
-                yield writer
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-        folder = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
+        with files.replacing(path) as file, pq.ParquetWriter(file, schema, **options) as writer:
+            yield writer
     except OSError as err:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
         raise _unwritable(path.parent, err) from None
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise

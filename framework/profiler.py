@@ -20,13 +20,14 @@ import contextlib
 import functools
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from torch import nn
+
+from framework.core import files
 
 log = logging.getLogger(__name__)
 
@@ -269,11 +270,11 @@ class TorchProfiler(Profiler):
     def _write(self, prof: Any) -> None:
         first = self.first_step + self.wait + self.warmup + 1
         path = self.folder / f"rank{self.rank}_steps{first}-{self.progress.step}.json"
-        self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        prof.export_chrome_trace(str(tmp))
-        cut = cap_trace(tmp, self.max_bytes)
-        os.replace(tmp, path)
+        with files.private_dir(self.folder) as scratch:  # torch writes the trace itself: never through a link
+            written = scratch / path.name
+            prof.export_chrome_trace(str(written))
+            cut = cap_trace(written, self.max_bytes)
+            files.publish(written, path)
         self.written = True
         if self.rank == 0:
             log.info(
@@ -320,5 +321,5 @@ def cap_trace(path: Path, max_bytes: int) -> int:
         if len(text) <= max_bytes or keep == 1:
             break
         keep = max(1, keep * 9 // 10)
-    path.write_text(text)
+    files.write_text(path, text, fsync=False)  # (in a private folder: published once cut)
     return keep

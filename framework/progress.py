@@ -15,15 +15,16 @@ import sys
 import time
 from typing import Any, Mapping, Optional
 
+from framework.core.runlog import file_handlers
+
 log = logging.getLogger(__name__)
 
 
 def file_only(message: str, logger: logging.Logger = log) -> None:
     """An INFO record for the log files (run.log) but not the console: what the console shows another way."""
     record = logger.makeRecord(logger.name, logging.INFO, __file__, 0, message, (), None)
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(record)
+    for handler in file_handlers():
+        handler.handle(record)
 
 
 def _duration(seconds: float) -> str:

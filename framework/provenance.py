@@ -22,6 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from framework.core import files
 from framework.loggers import write_json
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ def write(run_dir: Path, cwd: Path, overrides: Sequence[str]) -> Path:
         suffix = f"-resumed-{datetime.datetime.now():%Y-%m-%d_%H-%M-%S-%f}"
     if diff is not None:
         diff_path = run_dir / f"git{suffix}.diff"
-        diff_path.write_bytes(diff)
+        files.write_bytes(diff_path, diff)
         record["git"]["diff"] = diff_path.name
     path = run_dir / f"provenance{suffix}.json"
     write_json(path, record)

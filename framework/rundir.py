@@ -22,6 +22,8 @@ import socket
 from pathlib import Path
 from typing import Iterable, Optional
 
+from framework.core import files
+from framework.core.runlog import file_handlers
 from framework.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -38,7 +40,7 @@ class RunDirLock:
 
     def __enter__(self) -> "RunDirLock":
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            fd = files.own_file(self.path)  # a link planted at .lock is replaced, never written through
         except OSError as err:
             raise ConfigError(
                 f"hydra.run.dir={str(self.path.parent)!r}: cannot write there ({err.strerror}); "
@@ -70,11 +72,9 @@ class RunDirLock:
 
 def _close_file_logs(folder: Path) -> None:
     """Close the log handlers writing into `folder` (Hydra's run.log), so the folder can be removed."""
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        filename = getattr(handler, "baseFilename", None)
-        if filename and Path(filename).resolve().is_relative_to(folder.resolve()):
-            root.removeHandler(handler)
+    for handler in file_handlers():
+        if handler.path.resolve().is_relative_to(folder.resolve()):
+            logging.getLogger().removeHandler(handler)
             handler.close()
 
 

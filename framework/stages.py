@@ -12,6 +12,7 @@ training); the task's own hooks (`on_test_start`, ...) are called as in fit.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from omegaconf import DictConfig, open_dict
 
 from framework import task_hooks
 from framework.checkpoint import Checkpoint, DamagedCheckpoint, find_latest, open_checkpoint
+from framework.core.files import write_text
 from framework.errors import ConfigError, UserError
 from framework.evaluate import move_to
 from framework.instantiate import FULL_ERROR_HINT, build, error_line
@@ -144,12 +146,14 @@ def predict(
         rows = merge(writer.out_dir, total, dest) if strategy.is_rank_zero else total
         files = getattr(source, "files", None)  # ImageFiles: which file each index is
         if strategy.is_rank_zero and isinstance(files, list):
-            (run_dir / f"{PREDICTIONS.rsplit('.', 1)[0]}.files.txt").write_text("".join(f"{f}\n" for f in files))
+            files_txt = run_dir / f"{PREDICTIONS.rsplit('.', 1)[0]}.files.txt"
+            write_text(files_txt, "".join(f"{f}\n" for f in files))
         finished = True
     finally:
         parts = run_dir / f"{PREDICTIONS}.parts"
-        if not finished and parts.is_dir() and not any(parts.iterdir()):  # nothing kept: nothing left behind
-            parts.rmdir()
+        with contextlib.suppress(OSError):  # nothing kept: nothing left behind (never hiding the error that ended it)
+            if not finished and parts.is_dir() and not any(parts.iterdir()):
+                parts.rmdir()
         run.logger.close()
         task_hooks.call_if_defined(run.task, "teardown", "predict")
         strategy.teardown(finished)

@@ -16,14 +16,16 @@ file keeps what a resumed run needs to continue the same tracker run (MLflow's a
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Protocol, cast
 
 from omegaconf import DictConfig, OmegaConf
+
+from framework.core import files
 
 log = logging.getLogger(__name__)
 
@@ -105,23 +107,28 @@ class CsvTracker:
 
     def __init__(self, run: TrackedRun, filename: str) -> None:
         self.path = run.run_dir / filename
-        if run.resume_step is not None and self.path.is_file():
-            self._keep_up_to(run.resume_step)
-            self._file = open(self.path, "a", newline="")
-            self._rows = csv.writer(self._file)
-        else:
-            self._file = open(self.path, "w", newline="")
-            self._rows = csv.writer(self._file)
-            self._rows.writerow(("step", "name", "value"))
+        kept: list[list[str]] = [["step", "name", "value"]]
+        if run.resume_step is not None:
+            kept += self._rows_up_to(run.resume_step)
+        text = io.StringIO()
+        csv.writer(text).writerows(kept)
+        # A new file, renamed into place once it holds the rows kept (a crash leaves the old one or the new one),
+        # then appended to: never the old inode, which a link could share.
+        self._file = files.growing(self.path, text.getvalue())
+        self._rows = csv.writer(self._file)
 
-    def _keep_up_to(self, step: int) -> None:
-        with open(self.path, newline="") as f:
-            rows = list(csv.reader(f))
-        kept = rows[:1] + [row for row in rows[1:] if len(row) == 3 and row[0].isdigit() and int(row[0]) <= step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", newline="") as f:
-            csv.writer(f).writerows(kept)
-        os.replace(tmp, self.path)  # atomic: a crash leaves the old file or the new one
+    def _rows_up_to(self, step: int) -> list[list[str]]:
+        """The rows of the resumed run's file up to the checkpoint's `step` (what came after belongs to the run
+        that was killed), read without following a link."""
+        try:
+            text = files.read_bytes(self.path).decode()
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError) as err:  # a link, not a regular file, not text: started again
+            log.warning("%s: not continued (%s); it starts again from the resumed step", self.path, err)
+            return []
+        rows = list(csv.reader(io.StringIO(text)))[1:]
+        return [row for row in rows if len(row) == 3 and row[0].isdigit() and int(row[0]) <= step]
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         self._rows.writerows((step, name, value) for name, value in metrics.items())

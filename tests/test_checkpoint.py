@@ -286,14 +286,14 @@ def test_a_background_save_that_fails_raises_at_the_next_wait_and_keeps_the_prev
     assert open_checkpoint(tmp_path / "last").step == 1
 
 
-def test_a_failed_background_save_prunes_nothing(tmp_path):
+def test_a_failed_background_save_prunes_nothing(tmp_path, monkeypatch):
     """The pruning queued after a save assumes it succeeded: after a failure it must not run, or the older
     periodic checkpoint (the only one left with keep_last=1) would go."""
     manager = CheckpointManager(tmp_path, every_n_steps=1, keep_last=1, async_save=True)
 
     manager.save(Snapshot(1), 1, periodic=True)
     manager.writer.wait()
-    (tmp_path / "step-2.tmp").write_text("in the way")  # the save of step 2 cannot create its folder
+    crash_on_rename_of_tmp(monkeypatch)  # the save of step 2 cannot move its folder into place
     manager.save(Snapshot(2), 2, periodic=True)
     with pytest.raises(OSError):
         manager.writer.wait()

@@ -28,6 +28,7 @@ from framework.checkpoint.format import (
     digest,
     flatten,
 )
+from framework.core import files
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +52,7 @@ def _discard(tmp: Path) -> None:
 
 
 def _write(path: Path, data: bytes, durable: bool = True) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
+    files.write_bytes(path, data, fsync=durable)
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -132,9 +129,7 @@ def write_checkpoint(
     `CheckpointSaveError`; the previous checkpoints are untouched."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+        files.fresh_dir(tmp)
     except OSError as err:
         raise _save_error(path, err) from None
     flushes: list[Future] = []
@@ -177,7 +172,7 @@ def _remove_old(old: Path) -> None:
     """Best effort: the new copy is already in place, so a leftover `NAME.old` costs only disk space (some
     file systems refuse to delete a file that a process still has open or mapped)."""
     try:
-        shutil.rmtree(old)
+        files.remove(old)
     except OSError as err:
         log.warning("Could not remove the previous copy %s (%s); it is safe to delete by hand", old, err)
 
@@ -186,9 +181,7 @@ def link_checkpoint(src: Path, dst: Path, durable: bool = True) -> None:
     """Make `dst` a copy of checkpoint `src` (hard links: no data is written twice), atomically."""
     tmp = dst.with_name(dst.name + ".tmp")
     try:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        files.fresh_dir(tmp)
     except OSError as err:
         raise _save_error(dst, err) from None
     try:

@@ -36,6 +36,7 @@ from framework.checkpoint.format import (
     shard_files,
 )
 from framework.checkpoint.save import _discard, _fsync, _replace_dir, _save_error, _unshared, _write, _write_tensors
+from framework.core import files
 
 
 class Ranks(Protocol):
@@ -126,9 +127,7 @@ def commit_sharded(path: Path, parts: LocalParts, meta: dict[str, Any], ranks: R
     failure: Optional[str] = None
     if ranks.rank == 0:
         try:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
+            files.fresh_dir(tmp)
         except OSError as err:
             failure = str(_save_error(path, err))
     _agree(ranks.gather_objects(failure))  # the folder exists before any rank writes into it
@@ -222,9 +221,7 @@ def link_sharded(src: Path, dst: Path, world_size: int, durable: bool = True) ->
     """Make `dst` a copy of sharded checkpoint `src` (hard links: no data is written twice), atomically."""
     tmp = dst.with_name(dst.name + ".tmp")
     try:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        files.fresh_dir(tmp)
     except OSError as err:
         raise _save_error(dst, err) from None
     try:

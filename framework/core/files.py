@@ -17,6 +17,7 @@ Every write makes a new inode and never follows a link:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -166,6 +167,41 @@ def appending(path: Path) -> IO[str]:
     except (OSError, ValueError):
         old = ""
     return growing(path, old, fsync=False)
+
+
+def own_file(path: Path) -> int:
+    """A descriptor, read-write, of the regular file at `path` that no other name shares (a lock file, whose inode
+    must stay the same across processes), created where missing; a link at that name, symbolic or hard, is
+    replaced by a new file, so that what is written into it never lands in another file."""
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            os.unlink(path)
+            continue
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+            return fd
+        os.close(fd)
+        os.unlink(path)
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+
+
+def remove(path: Path) -> None:
+    """Remove what is at `path`: a link or a file as a name (never what a link points to), a directory whole."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def fresh_dir(path: Path) -> None:
+    """An empty directory at `path`, made now (a checkpoint's `NAME.tmp/`), so nothing in it was planted: whatever
+    was at that name (a crash's leftover, a link, a file) goes first."""
+    remove(path)
+    path.mkdir(parents=True)
 
 
 @contextlib.contextmanager

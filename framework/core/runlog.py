@@ -1,0 +1,34 @@
+"""run.log's handler: the run's log continued where it ends, never written through a link (a log file planted as
+a link to a checkpoint would otherwise get every line appended to the checkpoint's bytes)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from framework.core import files
+
+
+class RunLogHandler(logging.StreamHandler):
+    """`logging.FileHandler`'s job for run.log, with the file opened by `framework.core.files.appending`. Used by
+    conf/hydra/job_logging/framework.yaml (`filename:` as FileHandler takes it) and by spawned workers."""
+
+    def __init__(self, filename: str) -> None:
+        self.path = Path(filename)
+        super().__init__(files.appending(self.path))
+
+    def close(self) -> None:
+        self.acquire()
+        try:
+            try:
+                self.flush()
+            finally:
+                self.stream.close()
+        finally:
+            self.release()
+            super().close()
+
+
+def file_handlers() -> list[RunLogHandler]:
+    """The run logs the root logger writes to."""
+    return [h for h in logging.getLogger().handlers if isinstance(h, RunLogHandler)]
