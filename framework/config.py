@@ -84,7 +84,8 @@ class CsvConfig:
 @dataclass
 class MlflowConfig:
     enabled: bool = False  # logger=mlflow (or a list naming it) turns it on
-    tracking_uri: str = "sqlite:///outputs/mlflow.db"  # conf/logger/mlflow.yaml: $MLFLOW_TRACKING_URI first
+    # conf/logger/mlflow.yaml: $MLFLOW_TRACKING_URI first; null: mlflow.db beside the run directory (tracker_mlflow)
+    tracking_uri: Optional[str] = None
     experiment_name: Optional[str] = None  # null: the run's `name`
     run_name: Optional[str] = None  # null: the run directory's name
     tags: dict[str, str] = field(default_factory=dict)
