@@ -90,7 +90,7 @@ def find_lr(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, Any]] = 
     run = Run(fit_cfg, run_dir, choices=choices)
     finished, curve = False, None
     if cfg.trainer.max_steps > 0 and run.strategy.is_rank_zero:
-        log.info(  # as Lightning's tuner: the length is the test's own; said, as the user set it
+        log.info(  # as in Lightning's tuner the length is the test's own; said, so it is not taken for a cap
             "lr_find: trainer.max_steps=%d is fit's length, not the range test's: it takes lr_find.num_steps=%d "
             "optimizer steps",
             cfg.trainer.max_steps,
