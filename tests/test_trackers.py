@@ -237,15 +237,19 @@ def test_a_failing_trackers_warning_names_the_error_its_library_wrapped(tmp_path
 
 @pytest.fixture
 def logging_state():
-    """Every logger's handlers, level and propagation put back after a test that configures logging as a run does."""
-    loggers = [logging.getLogger(), *(logging.getLogger(name) for name in list(logging.root.manager.loggerDict))]
-    saved = [(lg, list(lg.handlers), lg.level, lg.propagate, lg.disabled) for lg in loggers]
+    """Every logger put back after a test that configures logging as a run does: those there before as they were
+    (handlers, level, propagation), those made since as new ones are; the handlers the test made closed."""
+    def everyone() -> list[logging.Logger]:
+        return [logging.getLogger(), *(lg for lg in logging.root.manager.loggerDict.values()
+                                       if isinstance(lg, logging.Logger))]
+
+    saved = {lg: (list(lg.handlers), lg.level, lg.propagate, lg.disabled) for lg in everyone()}
     yield
-    for lg in logging.root.manager.loggerDict.values():
-        if isinstance(lg, logging.Logger):
-            for handler in lg.handlers:
-                handler.close()
-    for lg, handlers, level, propagate, disabled in saved:
+    before = {handler for handlers, *_ in saved.values() for handler in handlers}
+    for handler in {handler for lg in everyone() for handler in lg.handlers} - before:  # each once: the test's own
+        handler.close()
+    for lg in everyone():
+        handlers, level, propagate, disabled = saved.get(lg, ([], logging.NOTSET, True, False))
         lg.handlers[:] = handlers
         lg.setLevel(level)
         lg.propagate, lg.disabled = propagate, disabled
