@@ -80,13 +80,25 @@ def resolve_all(cfg: DictConfig) -> None:
 
 
 def check_paths(cfg: DictConfig) -> None:
-    """A missing data folder is the most common first-run mistake; say which key to set before loading."""
+    """A missing data folder is the most common first-run mistake; say which key to set before loading. Only where
+    a split reads `data.root`: a stream given its shards (data=webdataset's `*_shards`) reads those instead."""
     root = cfg.data.get("root")
-    if root is not None and not Path(root).is_dir():
+    splits = [cfg.data.get(split) for split in ("train", "val", "test")]
+    if root is not None and not Path(root).is_dir() and _reads_root(splits):
         raise ConfigError(
             f"data.root={root!r}: no such directory (relative paths start at {os.getcwd()}); "
             "expected the folder holding the data set's files: set data.root=/path/to/data"
         )
+
+
+def _reads_root(node: Any) -> bool:
+    """Whether a split's node (a split off is None) or one inside it (a held-out part's dataset) names a `root`,
+    unless it is given `shards` to read."""
+    if isinstance(node, (ListConfig, list)):
+        return any(_reads_root(item) for item in node)
+    if not isinstance(node, DictConfig) or node.get("shards") is not None:
+        return False
+    return "root" in node or any(_reads_root(node.get(key)) for key in node)
 
 
 def main(cfg: DictConfig) -> Any:

@@ -84,7 +84,8 @@ class CsvConfig:
 @dataclass
 class MlflowConfig:
     enabled: bool = False  # logger=mlflow (or a list naming it) turns it on
-    tracking_uri: str = "sqlite:///outputs/mlflow.db"  # conf/logger/mlflow.yaml: $MLFLOW_TRACKING_URI first
+    # conf/logger/mlflow.yaml: $MLFLOW_TRACKING_URI first; null: mlflow.db beside the run directory (tracker_mlflow)
+    tracking_uri: Optional[str] = None
     experiment_name: Optional[str] = None  # null: the run's `name`
     run_name: Optional[str] = None  # null: the run directory's name
     tags: dict[str, str] = field(default_factory=dict)
@@ -560,7 +561,10 @@ def _check_lr_find(cfg: DictConfig) -> None:
     )
     _require(s.min_lr > 0 and math.isfinite(s.min_lr), "lr_find.min_lr", s.min_lr, "a learning rate > 0")
     _require(
-        math.isfinite(s.max_lr) and s.max_lr > s.min_lr, "lr_find.max_lr", s.max_lr, f"a learning rate > {s.min_lr:g}"
+        math.isfinite(s.max_lr) and s.max_lr > s.min_lr,
+        "lr_find.max_lr",
+        s.max_lr,
+        f"a learning rate > lr_find.min_lr={s.min_lr!r}",  # the other end named: either may be the mistake
     )
     _require(s.num_steps >= 2, "lr_find.num_steps", s.num_steps, "a number of optimizer steps >= 2")
     _require(

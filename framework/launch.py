@@ -130,7 +130,15 @@ def spawn(
 
 def _configure_logging(rank: int, run_dir: Path) -> None:
     """Spawned workers start without Hydra's logging: rank 0 logs like the parent would (conf/hydra/job_logging/
-    framework.yaml: messages on stderr, the closing summary on stdout, both in run.log), others stay quiet."""
+    framework.yaml: messages on stderr, the closing summary on stdout, both in run.log, and the loggers it sends to
+    run.log alone, at its levels), others stay quiet."""
+    run_log_only = {  # framework.yaml's `loggers:` but framework.summary (tests/test_trackers.py runs both)
+        "framework.trackers.traceback": logging.INFO,
+        "mlflow": logging.INFO,
+        "sqlalchemy": logging.WARNING,
+        "alembic": logging.WARNING,
+        "wandb": logging.INFO,
+    }
     root = logging.getLogger()
     root.handlers.clear()
     console = logging.StreamHandler(sys.stderr)
@@ -147,6 +155,12 @@ def _configure_logging(rank: int, run_dir: Path) -> None:
         stdout.setFormatter(logging.Formatter("%(message)s"))
         summary.addHandler(stdout)
         summary.addHandler(file)
+        for name, level in run_log_only.items():
+            quiet = logging.getLogger(name)
+            quiet.handlers.clear()
+            quiet.addHandler(file)
+            quiet.setLevel(level)
+            quiet.propagate = False
     root.setLevel(logging.INFO if rank == 0 else logging.ERROR)
 
 

@@ -29,8 +29,9 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from framework import reproducibility, task_hooks
+from framework.core.files import write_json
 from framework.evaluate import move_to
-from framework.loggers import SUMMARY_LOGGER, write_json
+from framework.loggers import SUMMARY_LOGGER
 from framework.preflight import check_first_batches
 from framework.run import Run
 from framework.task import StepOutput, as_step_output
@@ -88,6 +89,13 @@ def find_lr(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, Any]] = 
         fit_cfg.stage = "fit"
     run = Run(fit_cfg, run_dir, choices=choices)
     finished, curve = False, None
+    if cfg.trainer.max_steps > 0 and run.strategy.is_rank_zero:
+        log.info(  # as in Lightning's tuner the length is the test's own; said, so it is not taken for a cap
+            "lr_find: trainer.max_steps=%d is fit's length, not the range test's: it takes lr_find.num_steps=%d "
+            "optimizer steps",
+            cfg.trainer.max_steps,
+            cfg.lr_find.num_steps,
+        )
     try:
         check_first_batches(run.task, run.model_attr, run.evaluator, {}, ("train",))  # a mismatch: one line
         if not cfg.trainer.dry_run:  # (a dry run: built and checked, nothing trained)
@@ -105,8 +113,9 @@ def find_lr(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, Any]] = 
         if run.strategy.is_rank_zero:
             log.info("trainer.dry_run: the run was built and its first batch checked; no range test was run")
         return {}
-    summary = {
-        "suggested_lr": curve.suggestion if curve.suggestion is not None else float("nan"),
+    summary: dict[str, Any] = {
+        "suggested_lr": curve.suggestion,  # null in summary.json (and summary.csv's cell empty) when there is none
+        **({"no_suggestion": no_suggestion(curve)} if curve.suggestion is None else {}),
         "status": "ok",
         "stage": "lr_find",
         "step": len(curve.lrs),
@@ -215,6 +224,14 @@ def _write(run: Run, curve: Curve, settings: DictConfig) -> None:
         run.logger.writer.add_image("lr_find/curve", image, 0, dataformats="HWC")
 
 
+def no_suggestion(curve: Curve) -> str:
+    """Why a curve gives no suggestion, and what gives one."""
+    return (
+        f"no finite loss after the first {SKIP_BEGIN} steps ({len(curve.lrs)} ran); expected a longer test "
+        "(lr_find.num_steps) or a smaller lr_find.min_lr"
+    )
+
+
 def _report(curve: Curve, cfg: DictConfig, run_dir: Path, summary: dict[str, Any]) -> None:
     """The closing lines: what ran, why it stopped, the suggestion as an override line, where the plot is."""
     t, s = cfg.trainer, cfg.lr_find
@@ -225,10 +242,7 @@ def _report(curve: Curve, cfg: DictConfig, run_dir: Path, summary: dict[str, Any
         + (f"; stopped: {curve.stopped}" if curve.stopped else "")
     ]
     if curve.suggestion is None:
-        lines.append(
-            f"  no suggestion: no finite loss after the first {SKIP_BEGIN} steps ({len(curve.lrs)} ran); expected "
-            "a longer test (lr_find.num_steps) or a smaller lr_find.min_lr"
-        )
+        lines.append(f"  no suggestion: {summary['no_suggestion']}")
     else:
         if min(curve.smoothed) == curve.smoothed[-1]:
             lines.append(

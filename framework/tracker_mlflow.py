@@ -1,12 +1,13 @@
 """The MLflow tracker (`logger=mlflow`), through `mlflow.MlflowClient` only: no fluent API, so no global active run
 and no git subprocess, and nothing of mlflow is imported by a run that did not choose it.
 
-The store is `logger.mlflow.tracking_uri`: by default $MLFLOW_TRACKING_URI, else a SQLite database at
-outputs/mlflow.db, whose artifacts go beside it (outputs/mlartifacts). The run's ID is kept in the run directory
-(trackers.json), so `resume=RUN_DIR` continues the same MLflow run. MLflow has no public way to delete a metric's
-points (mlflow/mlflow#2973), so a resumed run does not send again the steps the killed run had already sent after
-the checkpoint: a resume is exact, and those steps' values are the ones it would send; the series keeps one point
-per step.
+The store is `logger.mlflow.tracking_uri`: by default $MLFLOW_TRACKING_URI, else a SQLite database `mlflow.db` in
+the folder that holds the run directory, whose artifacts go beside it (`mlartifacts/`): see `store_uri`. MLflow's
+own logging goes to run.log, not the console: the run's logging config routes its loggers, which MLflow is told to
+leave alone (`_client`). The run's ID is kept in the run directory (trackers.json), so `resume=RUN_DIR` continues
+the same MLflow run. MLflow has no public way to delete a metric's points (mlflow/mlflow#2973), so a resumed run
+does not send again the steps the killed run had already sent after the checkpoint: a resume is exact, and those
+steps' values are the ones it would send; the series keeps one point per step.
 """
 
 from __future__ import annotations
@@ -28,18 +29,37 @@ def _sqlite_path(uri: str) -> Path | None:
     return Path(uri[len("sqlite:///") :]) if uri.startswith("sqlite:///") else None
 
 
+def store_uri(settings: DictConfig, folder: Path) -> str:
+    """`logger.mlflow.tracking_uri`, or when it is null (and $MLFLOW_TRACKING_URI unset) `folder`/mlflow.db, where
+    `folder` holds the run directory: a single run's experiment folder (outputs/<name>/ by default, wherever
+    hydra.run.dir puts it), a sweep's directory (its jobs, and their parent run). MLflow is for comparing runs, so
+    the runs that sit side by side share a store; a store per run would hold one run, and one in the working
+    directory (MLflow's own default) lands wherever the process started, away from the runs."""
+    if settings.tracking_uri:
+        return str(settings.tracking_uri)
+    return f"sqlite:///{(folder / 'mlflow.db').resolve()}"
+
+
+def _client(uri: str) -> Any:
+    """MLflow's client, MLflow imported as a run needs it, unless the user set otherwise: offline first (MLflow 3
+    reports usage unless told not to), and its loggers left to the run's logging config, which sends them to run.log
+    (MLflow would give them a console handler of its own as it is imported, MLFLOW_CONFIGURE_LOGGING)."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
+    from mlflow import MlflowClient
+
+    database = _sqlite_path(uri)
+    if database is not None:
+        database.parent.mkdir(parents=True, exist_ok=True)
+    return MlflowClient(tracking_uri=uri)
+
+
 class MlflowTracker:
     name = "mlflow"
 
     def __init__(self, run: TrackedRun, settings: DictConfig) -> None:
-        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # offline first: MLflow 3 reports usage otherwise
-        from mlflow import MlflowClient
-
-        uri = str(settings.tracking_uri)
-        database = _sqlite_path(uri)
-        if database is not None:
-            database.parent.mkdir(parents=True, exist_ok=True)
-        self.client = MlflowClient(tracking_uri=uri)
+        uri = store_uri(settings, run.run_dir.parent)
+        self.client = _client(uri)
         self.sent: dict[str, int] = {}  # metric -> the last step the store holds (a resumed run's)
         # A run directory that holds an MLflow run's ID is resumed (from step 0 where no checkpoint was saved).
         kept = run.record().get("mlflow", {})
@@ -48,23 +68,23 @@ class MlflowTracker:
             self.client.update_run(self.run_id, status="RUNNING")
             self._held_after(run.resume_step or 0)
         else:
-            self.run_id = self._create(run, settings, database)
+            self.run_id = self._create(run, settings, uri)
             run.remember("mlflow", {"run_id": self.run_id, "tracking_uri": uri})
         self.client.log_text(self.run_id, run.composed_yaml(), "config.yaml")
         self.run = run
         self._points: list[Any] = []  # logged, not yet written
         self._flushed_at = time.time()
 
-    def _create(self, run: TrackedRun, settings: DictConfig, database: Path | None) -> str:
+    def _create(self, run: TrackedRun, settings: DictConfig, uri: str) -> str:
         from mlflow.entities import Param
 
         tags = {**run.tags, **{str(k): str(v) for k, v in (settings.tags or {}).items()}}
         parent = run.sweep_parent("mlflow_parent")
-        if parent and parent.get("tracking_uri") == str(settings.tracking_uri):  # a multirun's job: a child run
+        if parent and parent.get("tracking_uri") == uri:  # a multirun's job: a child run
             tags["mlflow.parentRunId"] = parent["run_id"]
             experiment_id = self.client.get_run(parent["run_id"]).info.experiment_id
         else:
-            experiment_id = _experiment(self.client, str(settings.experiment_name or run.name), database)
+            experiment_id = _experiment(self.client, str(settings.experiment_name or run.name), _sqlite_path(uri))
         created = self.client.create_run(experiment_id, run_name=str(settings.run_name or run.run_dir.name), tags=tags)
         run_id = created.info.run_id
         params = [Param(k[:250], v[:6000]) for k, v in run.params.items()]
@@ -116,31 +136,22 @@ def _experiment(client: Any, name: str, database: Path | None) -> str:
 
 
 def open_parent(sweep: TrackedRun, settings: DictConfig) -> dict[str, str]:
-    """A multirun's parent run: its jobs' runs are its children (MLflow's `mlflow.parentRunId` tag)."""
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    from mlflow import MlflowClient
-
-    uri = str(settings.tracking_uri)
-    database = _sqlite_path(uri)
-    if database is not None:
-        database.parent.mkdir(parents=True, exist_ok=True)
-    client = MlflowClient(tracking_uri=uri)
-    experiment_id = _experiment(client, str(settings.experiment_name or sweep.name), database)
+    """A multirun's parent run: its jobs' runs are its children (MLflow's `mlflow.parentRunId` tag). Its store is
+    the one its jobs find (`store_uri`: the sweep directory holds their run directories)."""
+    uri = store_uri(settings, sweep.run_dir)
+    client = _client(uri)
+    experiment_id = _experiment(client, str(settings.experiment_name or sweep.name), _sqlite_path(uri))
     parent = client.create_run(experiment_id, run_name=sweep.run_dir.name, tags=sweep.tags)
     return {"run_id": parent.info.run_id, "tracking_uri": uri}
 
 
 def close_parent(parent: dict[str, str]) -> None:
-    from mlflow import MlflowClient
-
-    MlflowClient(tracking_uri=parent["tracking_uri"]).set_terminated(parent["run_id"], status="FINISHED")
+    _client(parent["tracking_uri"]).set_terminated(parent["run_id"], status="FINISHED")
 
 
 def finish_run(kept: dict[str, str], summary: dict[str, Any]) -> None:
     """The summary (summary.json) and the best checkpoint's path, once the run is over."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=kept["tracking_uri"])
+    client = _client(kept["tracking_uri"])
     client.log_dict(kept["run_id"], summary, "summary.json")
     if summary.get("status") == "failed":  # a sweep's job that failed (app._failed_job): closed as FINISHED
         client.set_terminated(kept["run_id"], status="FAILED")

@@ -16,13 +16,13 @@ Each point is logged at the trainer's step (`Run.log(..., step=)`), so W&B's x-a
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
 from omegaconf import DictConfig
 
 from framework.compat import wandb_records as records
+from framework.core import files
 from framework.trackers import TrackedRun, flat_values
 
 
@@ -77,7 +77,7 @@ class WandbTracker:
 
     def _save_text(self, name: str, text: str) -> None:
         path = Path(self.wb.dir) / name
-        path.write_text(text)
+        files.write_text(path, text)
         self.wb.save(str(path), base_path=self.wb.dir, policy="now")
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
@@ -102,7 +102,7 @@ class WandbTracker:
         self._send()
         provenance = self.run.run_dir / "provenance.json"
         if provenance.is_file():  # the app writes it in the background while the run starts
-            shutil.copy(provenance, Path(self.wb.dir) / provenance.name)
+            files.write_bytes(Path(self.wb.dir) / provenance.name, files.read_bytes(provenance))
             self.wb.save(str(Path(self.wb.dir) / provenance.name), base_path=self.wb.dir, policy="now")
         self.wb.finish()
 
@@ -113,7 +113,7 @@ def finish_run(kept: Mapping[str, Any], summary: dict[str, Any]) -> None:
     wb = _init(kept)
     wb.summary.update({k: v for k, v in summary.items() if v is not None})
     path = Path(wb.dir) / "summary.json"
-    path.write_text(json.dumps(summary, indent=2) + "\n")
+    files.write_json(path, summary)  # a NaN metric as null: JSON has no NaN
     wb.save(str(path), base_path=wb.dir, policy="now")
     wb.finish(exit_code=1 if summary.get("status") == "failed" else 0)
 

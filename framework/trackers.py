@@ -10,7 +10,9 @@ holds none, so no tracker branches on rank.
 A tracker is not allowed to end a run: its first error (a store that fails, a full disk, a server gone) is one
 warning, and that tracker is closed and left out for the rest of the run; the others and the checkpoints go on, and
 `trackers.json` in the run directory names it (the app copies it into summary.json's `loggers_failed`). The same
-file keeps what a resumed run needs to continue the same tracker run (MLflow's and W&B's run IDs).
+file keeps what a resumed run needs to continue the same tracker run (MLflow's and W&B's run IDs). The error's
+traceback goes to run.log alone (the logger `framework.trackers.traceback`), as do the trackers' libraries' own
+records (conf/hydra/job_logging/framework.yaml's `loggers:`): the console has the warning's one line.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from omegaconf import DictConfig, OmegaConf
 from framework.core import files
 
 log = logging.getLogger(__name__)
+# A failed tracker's traceback, at INFO: run.log's alone where the run's logging is configured (framework.yaml's
+# `loggers:`, launch._configure_logging), and not shown by Python's default of WARNING where it is not.
+traceback_log = logging.getLogger(f"{__name__}.traceback")
 
 RECORD = "trackers.json"  # in the run directory: each tracker's run ID, and which trackers failed
 # The config's backends that need a package of their own, and the package (the `trackers` extra installs them).
@@ -194,8 +199,7 @@ def finish(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
         try:
             finish_run(kept, summary)
         except Exception as err:  # noqa: BLE001  (the run is done; its tracker's last call may fail alone)
-            log.warning("logger.%s: the summary was not logged (%s: %s)", name, type(err).__name__, err)
-            record.setdefault("failed", {})[name] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+            record.setdefault("failed", {})[name] = _warn(f"logger.{name}: the summary was not logged", err)
     return {**summary, "loggers_failed": record["failed"]} if record.get("failed") else summary
 
 
@@ -216,7 +220,7 @@ def open_sweep(cfg: DictConfig, sweep_dir: Path) -> None:
         try:
             run.remember("mlflow_parent", open_parent(run, mlflow))
         except Exception as err:  # noqa: BLE001  (the jobs run, each its own MLflow run, if this store fails)
-            log.warning("logger.mlflow: no parent run for this sweep (%s: %s)", type(err).__name__, err)
+            _warn("logger.mlflow: no parent run for this sweep", err)
 
 
 def close_sweep(sweep_dir: Path) -> None:
@@ -228,7 +232,28 @@ def close_sweep(sweep_dir: Path) -> None:
         try:
             close_parent(parent)
         except Exception as err:  # noqa: BLE001
-            log.warning("logger.mlflow: the sweep's parent run was not closed (%s: %s)", type(err).__name__, err)
+            _warn("logger.mlflow: the sweep's parent run was not closed", err)
+
+
+def _reason(err: BaseException) -> str:
+    """An error in one line, by the innermost error it was raised from that says something: MLflow raises its own
+    around SQLAlchemy's around sqlite3's, and its first line ("(raised as a result of Query-invoked autoflush; ...")
+    is no reason; `sqlite3.OperationalError: attempt to write a readonly database` is."""
+    told = err
+    while err.__cause__ is not None:
+        err = err.__cause__
+        told = err if str(err).strip() else told
+    kind = type(told)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    return f"{name}: {told}".splitlines()[0][:300]
+
+
+def _warn(what: str, err: BaseException, then: str = "") -> str:
+    """One warning, the console's line: `what`, the error's reason, `then`; the traceback to run.log. The reason."""
+    why = _reason(err)
+    log.warning("%s (%s)%s; its traceback is in run.log", what, why, then)
+    traceback_log.info("%s:", what, exc_info=err)
+    return why
 
 
 class Trackers:
@@ -291,14 +316,8 @@ class Trackers:
             pass
 
     def _failed(self, name: str, err: Exception, what: str) -> None:
-        reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-        log.warning(
-            "logger.%s %s (%s); it is off for the rest of this run, the other loggers and the checkpoints go on",
-            name,
-            what,
-            reason,
-        )
-        self.failed[name] = reason
+        then = "; it is off for the rest of this run, the other loggers and the checkpoints go on"
+        self.failed[name] = _warn(f"logger.{name} {what}", err, then)
         if self.run is not None:
             try:
                 self.run.remember("failed", self.failed)

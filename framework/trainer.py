@@ -129,11 +129,12 @@ def _eta(run: Run) -> Optional[float]:
     )
 
 
-def _train_log_extras(run: Run) -> dict[str, float]:
-    """What a logging step writes beside the task's values: the epoch, each group's LR, AMP's scale."""
+def _train_log_extras(run: Run, lrs: bool = True) -> dict[str, float]:
+    """What a logging step writes beside the task's values: the epoch, each group's LR (unless `lrs` is false: this
+    step has its LR point already), AMP's scale."""
     extras = {"epoch": float(run.progress.epoch)}
-    for name, group in zip(run.param_group_names, run.optimizer.param_groups):
-        extras[f"lr/{name}"] = group["lr"]
+    if lrs:
+        extras.update({f"lr/{name}": g["lr"] for name, g in zip(run.param_group_names, run.optimizer.param_groups)})
     scale = run.precision.scale  # remembered at the last step: get_scale() would sync with the device
     if scale is not None:
         extras["amp/scale"] = scale
@@ -212,7 +213,8 @@ class Trainer(Run):
 
     def _after_training(self, start: float) -> dict[str, Any]:
         """The final validation (the summary always reports the final weights), `last`, the test, the summary."""
-        self._flush_train_log()
+        # The steps since the last logging step; a run that ended with an epoch has this step's LR point from it.
+        self._flush_train_log(lrs=self.progress.batch_in_epoch > 0)
         self.bar.close()
         p = self.progress
         if self.stop.reason and self.strategy.is_rank_zero:
@@ -389,9 +391,9 @@ class Trainer(Run):
             self._save(periodic=True)
         return self.stop.granted(p) or 0 < self.max_steps <= p.step
 
-    def _flush_train_log(self) -> None:
+    def _flush_train_log(self, lrs: bool = True) -> None:
         with self.profiler.phase("logging"):
-            self.metric_logger.flush(self.progress.step, _train_log_extras(self))
+            self.metric_logger.flush(self.progress.step, _train_log_extras(self, lrs))
 
     def _stop_on_signal(self, signum: int, watch: Any) -> None:
         """Save `last` at this exact position (mid-epoch included), then end the run."""

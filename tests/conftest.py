@@ -66,8 +66,8 @@ def run_env() -> dict[str, str]:
     (a ResNet-18 run took 37 CPU-s instead of 8). Runs compared with each other share it."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env.setdefault("OMP_NUM_THREADS", "1")
-    # logger=mlflow's default store is outputs/mlflow.db under the working directory, the checkout: a run that
-    # chooses it without a tracking_uri of its own (the resume matrix's) writes to this process's scratch store.
+    # A run that chooses logger=mlflow without a tracking_uri of its own (the resume matrix's) writes to this
+    # process's scratch store, made once, not to a new mlflow.db beside each run directory (seconds to make each).
     env.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{SCRATCH / 'mlflow.db'}")
     return env
 

@@ -76,7 +76,7 @@ def test_accumulating_two_batches_of_32_draws_the_curve_of_batches_of_64_and_a_s
 
 
 @pytest.mark.parametrize("override, said", [
-    ("lr_find.max_lr=1e-7", "lr_find.max_lr=1e-07: expected a learning rate > 1e-06"),
+    ("lr_find.max_lr=1e-7", "lr_find.max_lr=1e-07: expected a learning rate > lr_find.min_lr=1e-06"),
     ("lr_find.num_steps=1", "lr_find.num_steps=1: expected a number of optimizer steps >= 2"),
     ("lr_find.early_stop_threshold=1.0", "lr_find.early_stop_threshold=1.0: expected null (never stop early)"),
     ("ckpt=outputs", "ckpt='outputs': expected null with lr_find"),
@@ -86,6 +86,48 @@ def test_bad_lr_find_settings_are_one_line_naming_the_key(compose, override, sai
 
     with pytest.raises(ConfigError, match="^" + re.escape(said)):
         validate(compose("stage=lr_find", override))
+
+
+def test_a_range_that_ends_below_its_start_names_both_ends(compose):
+    from framework.config import validate
+
+    with pytest.raises(ConfigError) as refused:
+        validate(compose("stage=lr_find", "lr_find.max_lr=0.1", "lr_find.min_lr=1"))
+    assert str(refused.value) == "lr_find.max_lr=0.1: expected a learning rate > lr_find.min_lr=1.0"
+
+
+def summary_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "framework.summary"]
+
+
+def test_no_suggestion_is_null_in_summary_json_and_said_on_the_console(compose, tmp_path, caplog):
+    """Too short a test for a suggestion (its first 10 steps are skipped): summary.json is JSON (null, not NaN),
+    and says why, as the closing lines do; no `optimizer.lr=` line to copy."""
+    caplog.set_level("INFO")
+    summary = lr_find.find_lr(compose("stage=lr_find", *QUIET, "lr_find.num_steps=5"), tmp_path)
+    written = json.loads((tmp_path / "summary.json").read_text(),
+                         parse_constant=lambda name: pytest.fail(f"summary.json holds {name}"))
+    assert written["suggested_lr"] is None and summary["suggested_lr"] is None
+    assert written["no_suggestion"].startswith("no finite loss after the first 10 steps (5 ran)")
+    lines = summary_lines(caplog)
+    assert any(line.startswith("  no suggestion: no finite loss after the first 10 steps") for line in lines)
+    assert not [line for line in lines if line.startswith("optimizer.lr=")]
+    json.loads((tmp_path / "lr_find.json").read_text(), parse_constant=lambda name: pytest.fail(name))
+
+
+def test_trainer_max_steps_is_fits_length_and_lr_find_says_so_in_one_line(compose, tmp_path, caplog):
+    """The range test's length is lr_find.num_steps, as every run-length key of the trainer is fit's (Lightning's
+    tuner likewise): a trainer.max_steps on the command line is named in one line, not silently ignored."""
+    caplog.set_level("INFO")
+    summary = lr_find.find_lr(compose("stage=lr_find", *QUIET, "lr_find.num_steps=12", "trainer.max_steps=3"),
+                              tmp_path)
+    assert summary["step"] == 12
+    said = [r.getMessage() for r in caplog.records if "trainer.max_steps" in r.getMessage()]
+    assert said == ["lr_find: trainer.max_steps=3 is fit's length, not the range test's: "
+                    "it takes lr_find.num_steps=12 optimizer steps"], said
+    caplog.clear()
+    lr_find.find_lr(compose("stage=lr_find", *QUIET, "lr_find.num_steps=12"), tmp_path / "plain")
+    assert not [r for r in caplog.records if "trainer.max_steps" in r.getMessage()]
 
 
 def test_without_matplotlib_pillow_draws_the_plot(tmp_path):

@@ -4,6 +4,7 @@ input as one ConfigError naming the shard and sample key. Worker processes: test
 from __future__ import annotations
 
 import io
+import sys
 import tarfile
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from framework.state import Progress
 from framework.shards import TarShards, TokenShards, tar_shards
 from framework.streaming import StreamState, epoch_order, expand_braces, rank_block
 from framework.zoo.shards import png, write_tar
+from conftest import one_error_line, output, run_process
 
 pytestmark = pytest.mark.unit
 
@@ -252,6 +254,58 @@ def test_the_webdataset_preset_composes_and_a_shuffle_buffer_below_one_is_refuse
     config.validate(cfg)
     with pytest.raises(ConfigError, match=r"data.shuffle_buffer=0.*>= 1"):
         config.validate(compose("data=webdataset", "data.train_shards=x", "data.shuffle_buffer=0"))
+
+
+SHARDS = ("data.train_shards='d/train-{000000..000009}.tar'", "data.val_shards='d/val-{000000..000001}.tar'",
+          "data.test_shards='d/test-{000000..000001}.tar'")
+
+
+def test_a_webdataset_run_given_every_shard_needs_no_data_root(compose, tmp_path, monkeypatch):
+    """data.root is where the digits' shards go when a split has none: given every split's shards, it is never read,
+    so neither the preset's default nor a folder that does not exist is refused; a split without shards still
+    reads it, and a typo there is refused before anything is written."""
+    from framework.app import check_paths
+
+    monkeypatch.chdir(tmp_path)  # no outputs/ here
+    check_paths(compose("data=webdataset", *SHARDS))
+    check_paths(compose("data=webdataset", *SHARDS, "data.root=/nonexistent"))
+    check_paths(compose("data=webdataset", *SHARDS[:2], "data.test=null", "data.root=/nonexistent"))
+    with pytest.raises(ConfigError, match=r"^data.root='/nonexistent': no such directory"):
+        check_paths(compose("data=webdataset", *SHARDS[:2], "data.root=/nonexistent"))
+
+
+def test_the_webdataset_presets_digits_shards_are_written_once_to_the_users_cache(compose, tmp_path, monkeypatch):
+    """With no shards and no data.root, the digits' shards go to $XDG_CACHE_HOME/hydra-torch-framework (else
+    ~/.cache/...), written once for every run of every checkout, never under the working directory."""
+    from hydra.utils import instantiate
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir((tmp_path / "cwd").mkdir() or tmp_path / "cwd")
+    cfg = compose("data=webdataset")
+    val = instantiate(cfg.data.val)
+    folder = tmp_path / "cache" / "hydra-torch-framework" / "digits_shards"
+    written = {path.name: path.stat().st_mtime_ns for path in folder.iterdir()}
+    assert "counts.json" in written and "val-000000.tar" in written and not any(".writing" in n for n in written)
+    labels = [label for _, label in val]
+    assert len(labels) == len(instantiate(cfg.data.val)) and sorted(set(labels)) == list(range(10))
+    assert {path.name: path.stat().st_mtime_ns for path in folder.iterdir()} == written  # read, not written again
+    assert not list((tmp_path / "cwd").iterdir())
+
+
+@pytest.mark.e2e
+def test_the_shard_writer_ends_a_mistake_in_one_error_line(tmp_path):
+    """python -m framework.zoo.shards DIR: no DIR, or a DIR it cannot write (a file in its way), is one `Error:` line
+    naming what to fix, no traceback; a DIR it can write gets the shards and the line that trains on them."""
+    def shards(*args: str):
+        return run_process([sys.executable, "-m", "framework.zoo.shards", *args])
+
+    assert "expected one argument, the folder to write the shards into" in one_error_line(shards())
+    (tmp_path / "file").write_text("in the way")
+    line = one_error_line(shards(str(tmp_path / "file" / "shards")))
+    assert str(tmp_path / "file") in line and "expected a folder" in line, line
+    written = shards(str(tmp_path / "ok"))
+    assert written.returncode == 0 and "python run.py data=webdataset" in written.stdout, output(written)
+    assert (tmp_path / "ok" / "train-000000.tar").is_file() and not list((tmp_path / "ok").glob("*.tmp"))
 
 
 def test_predict_over_a_stream_is_refused_in_one_line():

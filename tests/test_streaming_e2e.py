@@ -68,6 +68,7 @@ def overrides(shards: tuple[str, str, Path], ids: Path, *extra: str) -> tuple[st
     return ("data=webdataset", f"data.train_shards='{train}'", f"data.val_shards='{val}'", "data.input_shape=[1,1,2]",
             "data.batch_size=8", "data.shuffle_buffer=16", "data.num_workers=2", "model.hidden=[8]",
             "trainer.max_epochs=2", "checkpoint.every_n_steps=4", "checkpoint.async_save=true", "trainer.test=false",
+            "data.test=null",  # no test split: else the digits' shards, written to the user's cache
             "logger.progress_bar=false", "+callbacks.ids._target_=record.Record", f"+callbacks.ids.folder={ids}",
             *extra)
 

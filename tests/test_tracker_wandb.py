@@ -100,10 +100,10 @@ def test_tensorboard_and_wandb_hold_the_same_series(compose, tmp_path, offline):
     files = run_files(run_dir, run.run_id)[0].parent / "files"
     assert "optimizer:" in (files / "composed_config.yaml").read_text()
     # After the run, the app hands it the summary: the same W&B run, continued, holds it and the best checkpoint.
-    finish(run_dir, {**summary, "status": "ok"})
+    finish(run_dir, {**summary, "status": "ok", "test/acc": float("nan")})  # a NaN: null in summary.json (JSON)
     last = run_files(run_dir, run.run_id)[-1]
-    saved = json.loads((last.parent / "files" / "summary.json").read_text())
-    assert saved["best_checkpoint"] == summary["best_checkpoint"]
+    saved = json.loads((last.parent / "files" / "summary.json").read_text(), parse_constant=pytest.fail)
+    assert saved["best_checkpoint"] == summary["best_checkpoint"] and saved["test/acc"] is None
     updates = {item.key or ".".join(item.nested_key): json.loads(item.value_json)
                for r in records(last) if r.WhichOneof("record_type") == "summary" for item in r.summary.update}
     assert updates["best_checkpoint"] == summary["best_checkpoint"] and updates["val/acc"] == summary["val/acc"]

@@ -8,15 +8,21 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
+import logging.config
 import re
 import shutil
+import sqlite3
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import KILLHOOK, on_pythonpath, one_error_line, output, read_scalars, run_cli
-from framework.trackers import CsvTracker, TrackedRun, Trackers, finish
+from omegaconf import OmegaConf
+
+from conftest import CONF, KILLHOOK, TESTS, on_pythonpath, one_error_line, output, read_scalars, run_cli
+from framework.callbacks import Callback
+from framework.trackers import CsvTracker, TrackedRun, Trackers, finish, open_sweep
 
 pytestmark = pytest.mark.unit
 
@@ -187,6 +193,7 @@ class Broken:
 
 
 def test_a_failing_tracker_is_warned_of_once_then_left_out(tmp_path, caplog):
+    caplog.set_level("INFO", logger="framework.trackers.traceback")
     broken, kept = Broken(), CsvTracker(TrackedRun(tmp_path, "x", {}), "metrics.csv")
     trackers = Trackers(TrackedRun(tmp_path, "x", {}), [broken, kept])
     for step in range(1, 5):
@@ -196,10 +203,127 @@ def test_a_failing_tracker_is_warned_of_once_then_left_out(tmp_path, caplog):
     assert [step for step, _ in read_csv(tmp_path / "metrics.csv")["a"]] == [1, 2, 3, 4]  # the other went on
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "logger.broken failed at step 2" in warnings[0], warnings
-    assert "No space left on device" in warnings[0]
+    assert "No space left on device" in warnings[0] and "\n" not in warnings[0]
+    assert not [r for r in caplog.records if r.exc_info and r.name != "framework.trackers.traceback"]
+    traceback = [r for r in caplog.records if r.name == "framework.trackers.traceback"]  # run.log's alone (INFO)
+    assert len(traceback) == 1 and isinstance(traceback[0].exc_info[1], OSError)
     assert json.loads((tmp_path / "trackers.json").read_text())["failed"] == {
         "broken": "OSError: [Errno 28] No space left on device"
     }
+
+
+class WrappedStoreError(Exception):
+    """As MLflow wraps SQLAlchemy's error, which wraps sqlite3's: a first line that names none of them."""
+
+
+class Wrapping(Broken):
+    name = "wrapping"
+
+    def log_metrics(self, metrics, step) -> None:
+        try:
+            raise sqlite3.OperationalError("attempt to write a readonly database")
+        except sqlite3.OperationalError as err:
+            raise WrappedStoreError("(raised as a result of Query-invoked autoflush; consider using a "
+                                    "session.no_autoflush block)\n(sqlite3.OperationalError) attempt to write") from err
+
+
+def test_a_failing_trackers_warning_names_the_error_its_library_wrapped(tmp_path, caplog):
+    trackers = Trackers(TrackedRun(tmp_path, "x", {}), [Wrapping()])
+    trackers.log_metrics({"a": 1.0}, 1)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "(sqlite3.OperationalError: attempt to write a readonly database)" in warnings[0]
+    assert trackers.failed == {"wrapping": "sqlite3.OperationalError: attempt to write a readonly database"}
+
+
+@pytest.fixture
+def logging_state():
+    """Every logger put back after a test that configures logging as a run does: those there before as they were
+    (handlers, level, propagation), those made since as new ones are; the handlers the test made closed."""
+    def everyone() -> list[logging.Logger]:
+        return [logging.getLogger(), *(lg for lg in logging.root.manager.loggerDict.values()
+                                       if isinstance(lg, logging.Logger))]
+
+    saved = {lg: (list(lg.handlers), lg.level, lg.propagate, lg.disabled) for lg in everyone()}
+    yield
+    before = {handler for handlers, *_ in saved.values() for handler in handlers}
+    for handler in {handler for lg in everyone() for handler in lg.handlers} - before:  # each once: the test's own
+        handler.close()
+    for lg in everyone():
+        handlers, level, propagate, disabled = saved.get(lg, ([], logging.NOTSET, True, False))
+        lg.handlers[:] = handlers
+        lg.setLevel(level)
+        lg.propagate, lg.disabled = propagate, disabled
+
+
+def configure_as_hydra(run_dir: Path) -> None:
+    """What Hydra does with conf/hydra/job_logging/framework.yaml for a run in `run_dir`."""
+    settings = OmegaConf.load(CONF / "hydra" / "job_logging" / "framework.yaml")
+    settings.handlers.file.filename = str(run_dir / "run.log")
+    logging.config.dictConfig(OmegaConf.to_container(settings))
+
+
+def configure_as_spawned_worker(run_dir: Path) -> None:
+    from framework.launch import _configure_logging
+
+    _configure_logging(0, run_dir)
+
+
+@pytest.mark.parametrize("configure", [configure_as_hydra, configure_as_spawned_worker])
+def test_the_trackers_libraries_log_to_run_log_alone(configure, tmp_path, capfd, logging_state):
+    """A run's logging (Hydra's, or a spawned DDP worker's): MLflow's, SQLAlchemy's, alembic's and W&B's own records
+    and a failed tracker's traceback go to run.log, not the console; SQLAlchemy's statements (INFO) nowhere."""
+    configure(tmp_path)
+    logging.getLogger("mlflow.store.db.utils").info("Creating initial MLflow database tables...")
+    logging.getLogger("mlflow.store.db.utils").error("SQLAlchemy database error.")
+    logging.getLogger("sqlalchemy.engine.Engine").info("INSERT INTO metrics")
+    logging.getLogger("sqlalchemy.pool").warning("pool warning")
+    logging.getLogger("alembic.runtime.migration").warning("alembic warning")
+    logging.getLogger("wandb").warning("wandb warning")
+    logging.getLogger("framework.trackers.traceback").warning("Traceback of logger.x", exc_info=ValueError("x"))
+    logging.getLogger("framework.trackers").warning("logger.x failed at step 2")
+    console = capfd.readouterr()
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    run_log = (tmp_path / "run.log").read_text()
+    assert console.out == "" and console.err == "logger.x failed at step 2\n", console
+    for line in ("Creating initial MLflow database tables", "SQLAlchemy database error", "pool warning",
+                 "alembic warning", "wandb warning", "Traceback of logger.x", "ValueError: x",
+                 "logger.x failed at step 2"):
+        assert line in run_log, (line, run_log)
+    assert "INSERT INTO" not in run_log
+
+
+class DeleteStore(Callback):
+    """Deletes the MLflow store's database file when the first epoch ends: the store vanishes under the run."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def on_train_epoch_end(self, trainer, task) -> None:
+        if trainer.current_epoch == 0:
+            self.path.unlink()
+
+
+@pytest.mark.e2e
+def test_an_mlflow_store_deleted_mid_run_is_one_line_on_the_console_and_the_run_ends_ok(tmp_path):
+    """The issue's case: `logger=[tensorboard,mlflow]`, the SQLite file deleted after the first epoch. The console
+    shows the run's own lines and one warning, nothing of MLflow's, SQLAlchemy's or alembic's logging (a fresh store:
+    MLflow logs making its tables); run.log holds the traceback; the run ends ok, its summary naming the tracker."""
+    store, run_dir = tmp_path / "store" / "mlflow.db", tmp_path / "run"
+    proc = run_cli(run_dir, "logger=[tensorboard,mlflow]", f"logger.mlflow.tracking_uri=sqlite:///{store}",
+                   "trainer.max_epochs=3", "trainer.limit_train_batches=3", "+callbacks.gone._target_=test_trackers.DeleteStore",
+                   f"+callbacks.gone.path={store}", env={"PYTHONPATH": on_pythonpath(TESTS)})
+    assert proc.returncode == 0, output(proc)
+    lines = output(proc).replace(str(tmp_path), "TMP").splitlines()  # (the test's name has "mlflow" in it)
+    theirs = [line for line in lines if re.search(r"mlflow|sql|alembic|traceback|warning|error", line, re.I)]
+    assert len(theirs) == 1 and theirs[0].startswith("logger.mlflow failed"), output(proc)
+    assert "off for the rest of this run" in theirs[0] and "run.log" in theirs[0]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["step"] == 9
+    assert summary["loggers_failed"]["mlflow"].startswith("sqlite3.OperationalError: "), summary
+    run_log = (run_dir / "run.log").read_text()
+    assert "Traceback" in run_log and "Creating initial MLflow database tables" in run_log
+    assert theirs[0] in run_log
 
 
 @pytest.mark.e2e
@@ -286,3 +410,37 @@ def test_a_multirun_is_one_mlflow_parent_run_with_a_child_per_job(tmp_path, stor
         assert run.data.tags["best_checkpoint"] == summary["best_checkpoint"]
         assert run.data.metrics["val/acc"] == summary["val/acc"]
         assert "summary.json" in {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+# ---------------------------------------------------------------------------------------------- the default store
+@pytest.mark.e2e
+def test_mlflows_default_store_is_beside_the_run_directory_and_a_sweeps_in_its_directory(
+        compose, tmp_path, empty_store, monkeypatch):
+    """With no tracking URI (no $MLFLOW_TRACKING_URI either), a run's store is the folder that holds its directory,
+    so runs side by side compare in one store: a single run's beside it, a sweep's jobs' in the sweep directory,
+    with their parent run. Nothing is written where the process started."""
+    from mlflow import MlflowClient
+
+    from framework.trackers import close_sweep
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir((tmp_path / "cwd").mkdir() or tmp_path / "cwd")
+    for folder in ("runs", "sweep"):  # stores with their tables made: making them takes MLflow seconds
+        (tmp_path / folder).mkdir()
+        shutil.copy(empty_store, tmp_path / folder / "mlflow.db")
+    chosen = ("logger=[tensorboard,mlflow]", "trainer.max_epochs=1")
+    assert compose(*chosen).logger.mlflow.tracking_uri is None
+    train(compose, tmp_path / "runs" / "a", *chosen)
+    kept = json.loads((tmp_path / "runs" / "a" / "trackers.json").read_text())["mlflow"]
+    assert kept["tracking_uri"] == f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
+    assert MlflowClient(tracking_uri=kept["tracking_uri"]).get_run(kept["run_id"]).info.status == "FINISHED"
+    sweep_dir = tmp_path / "sweep"
+    open_sweep(compose(*chosen), sweep_dir)
+    train(compose, sweep_dir / "0_job", *chosen)
+    close_sweep(sweep_dir)
+    uri = f"sqlite:///{sweep_dir / 'mlflow.db'}"
+    parent = json.loads((sweep_dir / "trackers.json").read_text())["mlflow_parent"]
+    job = json.loads((sweep_dir / "0_job" / "trackers.json").read_text())["mlflow"]
+    assert parent["tracking_uri"] == job["tracking_uri"] == uri
+    assert MlflowClient(tracking_uri=uri).get_run(job["run_id"]).data.tags["mlflow.parentRunId"] == parent["run_id"]
+    assert not list((tmp_path / "cwd").iterdir())

@@ -1,6 +1,7 @@
 """The training loop's behaviour, in-process on the default digits experiment (tiny runs)."""
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,23 @@ def test_every_log_step_writes_loss_lr_and_epoch(compose, tmp_path):
     assert [step for step, _ in scalars["train/loss"]] == [2, 4, 6]
     assert [value for _, value in scalars["lr/default"]] == pytest.approx([0.1, 0.1, 0.1])
     assert [step for step, _ in scalars["val/acc"]] == [6]
+
+
+@pytest.mark.parametrize("length, every, steps", [
+    ("trainer.max_epochs=2", 1, [1, 2, 3, 4, 5, 6]),
+    ("trainer.max_epochs=2", 2, [2, 3, 4, 6]),
+    ("trainer.max_epochs=2", 4, [3, 4, 6]),  # the run ends at an epoch's end that is no logging step
+    ("trainer.max_epochs=2", 7, [3, 6]),  # no logging step at all: a point at each epoch's end
+    ("trainer.max_steps=5", 4, [3, 4, 5]),  # ends mid-epoch: the steps since step 4 are flushed at 5
+])
+def test_each_lr_point_is_written_once_whatever_log_every_n_steps(compose, tmp_path, length, every, steps):
+    """An LR point at every logging step and at each epoch's end, and one at the run's end (where the steps since the
+    last logging step are flushed): one per step in metrics.csv and in TensorBoard's files, never two."""
+    make_trainer(compose, tmp_path, "logger=[tensorboard,csv]", length, "trainer.limit_train_batches=3",
+                 f"trainer.log_every_n_steps={every}", "trainer.test=false").fit()
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = [int(row["step"]) for row in csv.DictReader(f) if row["name"] == "lr/default"]
+    assert rows == [step for step, _ in read_scalars(tmp_path)["lr/default"]] == steps
 
 
 def test_same_seed_same_weights_and_other_seed_other_weights(compose, tmp_path):
