@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from framework.core import files
-from framework.core.runlog import file_handlers
+from framework.core.runlog import file_handlers, loggers_writing_to
 from framework.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,8 @@ def _close_file_logs(folder: Path) -> None:
     """Close the log handlers writing into `folder` (Hydra's run.log), so the folder can be removed."""
     for handler in file_handlers():
         if handler.path.resolve().is_relative_to(folder.resolve()):
-            logging.getLogger().removeHandler(handler)
+            for logger in loggers_writing_to(handler):
+                logger.removeHandler(handler)
             handler.close()
 
 

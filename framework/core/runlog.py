@@ -18,12 +18,14 @@ class RunLogHandler(logging.StreamHandler):
         super().__init__(files.appending(self.path))
 
     def close(self) -> None:
+        """Flush and close the file (again: nothing), as FileHandler.close does."""
         self.acquire()
         try:
-            try:
-                self.flush()
-            finally:
-                self.stream.close()
+            if not self.stream.closed:
+                try:
+                    self.flush()
+                finally:
+                    self.stream.close()
         finally:
             self.release()
             super().close()
@@ -32,3 +34,9 @@ class RunLogHandler(logging.StreamHandler):
 def file_handlers() -> list[RunLogHandler]:
     """The run logs the root logger writes to."""
     return [h for h in logging.getLogger().handlers if isinstance(h, RunLogHandler)]
+
+
+def loggers_writing_to(handler: logging.Handler) -> list[logging.Logger]:
+    """Every logger that has `handler` (the root and those configured with it, e.g. framework.summary)."""
+    found = [logging.getLogger(), *(logging.getLogger(name) for name in logging.root.manager.loggerDict)]
+    return [logger for logger in found if handler in logger.handlers]
