@@ -18,6 +18,7 @@ from framework import reproducibility, task_hooks
 from framework.build import build_components
 from framework.checkpoint import Checkpoint, CheckpointManager, open_checkpoint
 from framework.compile_report import compile_report
+from framework.config import interpolations
 from framework.errors import ConfigError
 from framework.evaluate import Evaluator, move_to
 from framework.loggers import TensorBoardLogger
@@ -162,8 +163,8 @@ class Run:
         return agreed, resume_from
 
     def _register_state(self, choices: Optional[dict[str, Any]]) -> TrainingState:
-        """Every piece of resumable state, once. The checkpoint's meta.json also holds the config and the groups'
-        options (which resume rebuilds the run from) and the number of processes."""
+        """Every piece of resumable state, once. The checkpoint's meta.json also holds the config, its
+        interpolations and the groups' options (which resume rebuilds the run from) and the number of processes."""
         state = TrainingState(
             lambda: self.module,
             self.progress,
@@ -172,6 +173,7 @@ class Run:
                 "framework_version": framework.__version__,  # which version wrote it
                 "world_size": self.strategy.world_size,
                 "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
+                "interpolations": interpolations(self.cfg),  # what a resume re-derives (framework/resume.py)
                 "choices": {g: o for g, o in (choices or {}).items() if not g.startswith("hydra")},
             },
         )
