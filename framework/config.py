@@ -210,6 +210,10 @@ class RootConfig:
     init_from: Optional[str] = None  # weights only (fine-tuning)
     init_strict: bool = True
     trust_saved_config: bool = False  # resume may build any _target_ the saved config names (a run you trust)
+    # A resume whose data differs from what its run was first saved with (other shards, another split's size, the
+    # config a split is made from: framework/data.py, check_data) is refused; true starts the next epoch, from
+    # batch 0, on the new data instead, with the run's step count, weights and optimizer. This command line's own.
+    resume_on_new_data: bool = False
     model: Any = MISSING
     data: Any = MISSING
     task: Any = MISSING
@@ -1063,3 +1067,22 @@ def leaves(node: Any, prefix: str = "") -> dict[str, Any]:
             out.update(leaves(value, f"{prefix}.{key}" if prefix else str(key)))
         return out
     return {prefix: node}
+
+
+def sources(cfg: DictConfig, key: str) -> dict[str, Any]:
+    """What the node at `key` is made from, resolved, by full key: its leaves and those of every key its references
+    reach, at any depth (`data.train_shards` for `data.train`, whose `shards` is `${data.train_shards}`)."""
+    written = interpolations(cfg)
+    reached = [key]
+    for at in reached:  # grows as references are found
+        for node_key, text in written.items():
+            if node_key == at or node_key.startswith((f"{at}.", f"{at}[")):
+                reached += [ref for ref in references(text, node_key) or () if ref not in reached]
+    found: dict[str, Any] = {}
+    for at in reached:
+        value = OmegaConf.select(cfg, at)
+        if isinstance(value, Container):
+            found.update(leaves(OmegaConf.to_container(value, resolve=True, enum_to_str=True), at))
+        else:
+            found[at] = value.name if isinstance(value, Enum) else value
+    return found

@@ -52,7 +52,7 @@ STATE_GROUPS = {
     "experiment": "a preset sets many groups at once",
 }
 # This invocation's own, never the saved run's.
-_NOT_FROM_SAVED = ("resume", "init_from", "trust_saved_config", "stage", "ckpt")
+_NOT_FROM_SAVED = ("resume", "init_from", "trust_saved_config", "resume_on_new_data", "stage", "ckpt")
 _META_MAX_BYTES = 64 * 2**20
 
 

@@ -253,7 +253,17 @@ def test_a_checkpoint_whose_state_does_not_fit_the_run_is_skipped_for_an_older_o
     assert "at step 8 (" in output(proc)
 
 
-# ---------------------------------------------------------------------------------------------- keys made from other keys
+# ---------------------------------------------------------------------------------------------- the data and the config it came from
+def test_a_resume_on_a_map_style_split_of_another_size_is_refused_in_one_line(warmup_run, tmp_path):
+    run_dir = copy_of(warmup_run, tmp_path)
+    before = json.loads((run_dir / "summary.json").read_text())["step"]
+    line = one_error_line(run_cli(None, f"resume={run_dir}", "data.train.val_fraction=0.2", "trainer.max_steps=16",
+                                  fast=False))
+    assert "data.train.val_fraction=0.2" in line and "data.train.val_fraction=0.15" in line, line
+    assert "resume_on_new_data=true" in line
+    assert json.loads((run_dir / "summary.json").read_text())["step"] == before  # nothing trained
+
+
 @pytest.mark.unit
 def test_a_recorded_interpolation_comes_back_only_where_it_gives_the_value_saved(compose):
     """A checkpoint's record is data: an entry that does not give the saved value (`data.val.root`, saved 'outputs'),
@@ -287,3 +297,19 @@ def test_an_override_of_a_key_other_keys_interpolate_reaches_them_after_a_resume
     assert saved_config(run_dir)["optimizer"]["param_groups"][0]["lr"] == 0.05
     lrs = dict(read_scalars(run_dir)["lr/no_decay"])
     assert lrs[12] == pytest.approx(0.1) and lrs[16] == pytest.approx(0.05) and lrs[20] == pytest.approx(0.05)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_a_recorded_data_identity_resumes_and_records_it_from_then_on(warmup_run, tmp_path):
+    run_dir = copy_of(warmup_run, tmp_path)
+    for meta_path in (run_dir / "checkpoints").glob("*/meta.json"):  # as a checkpoint of an older version
+        meta = json.loads(meta_path.read_text())
+        assert meta.pop("data_identity") is not None
+        meta_path.unlink()
+        meta_path.write_text(json.dumps(meta))
+    proc = run_cli(None, f"resume={run_dir}", "trainer.max_steps=16", "hydra.verbose=framework.data", fast=False)
+    assert proc.returncode == 0, output(proc)
+    assert "records no data identity" in output(proc)  # said at debug level: nothing to compare with
+    line = one_error_line(run_cli(None, f"resume={run_dir}", "data.train.val_fraction=0.2", "trainer.max_steps=20",
+                                  fast=False))
+    assert "data.train.val_fraction=0.2" in line and "data.train.val_fraction=0.15" in line, line
