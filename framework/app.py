@@ -15,12 +15,12 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, cast
+from typing import Any, Iterator, Optional, cast
 
 from hydra.conf import HydraConf
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import Container, DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework import __version__, config, provenance, resume, rundir, sweep, trackers
@@ -40,24 +40,10 @@ resume.register_resolvers()
 sweep.register_resolvers()
 
 
-def _nodes(container: Container, key: str = "") -> Iterator[tuple[str, Container, Any]]:
-    """Every node under `container` as (full key, parent, name in parent), without resolving anything."""
-    names: Iterable[Any] = (
-        range(len(container)) if isinstance(container, ListConfig) else cast(DictConfig, container).keys()
-    )
-    for name in names:
-        full_key = f"{key}[{name}]" if isinstance(container, ListConfig) else f"{key}.{name}" if key else str(name)
-        yield full_key, container, name
-        if not (OmegaConf.is_missing(container, name) or OmegaConf.is_interpolation(container, name)):
-            child = container[name]  # neither missing nor an interpolation: reading it resolves nothing
-            if isinstance(child, Container):
-                yield from _nodes(child, full_key)
-
-
 def resolve_all(cfg: DictConfig) -> None:
     """Report every `???` left unset, then the first interpolation that does not resolve, by their keys,
     before anything runs (a missing value would otherwise surface as the key of whatever interpolates it)."""
-    nodes = list(_nodes(cfg))
+    nodes = list(config.nodes(cfg))
     missing = [key for key, parent, name in nodes if OmegaConf.is_missing(parent, name)]
     if missing:
         unset = ", ".join(f"{key}=???" for key in missing)
@@ -445,7 +431,7 @@ def launch(
     from framework.parallel import default_devices, under_launcher  # imported after validation: fail fast
 
     if cfg.parallel.strategy in ("ddp", "fsdp") and not under_launcher():
-        OmegaConf.resolve(cfg)  # spawned workers have no HydraConfig to resolve `${hydra:...}` with
+        config.resolve_calls(cfg)  # spawned workers have no HydraConfig to resolve `${hydra:...}` with
         spawn(
             cfg,
             run_dir,

@@ -18,7 +18,10 @@ other folds the train split.
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Optional, Sequence, Sized, cast
 
 import torch
@@ -29,6 +32,8 @@ from framework.errors import ConfigError, UserError
 from framework.instantiate import FULL_ERROR_HINT, error_line
 from framework.reproducibility import generator, worker_seed
 from framework.streaming import Stream
+
+log = logging.getLogger(__name__)
 
 
 class EpochSampler(Sampler[int]):
@@ -326,6 +331,16 @@ class DataModule:
             if isinstance(loader, DataLoader) and loader.persistent_workers:
                 self._loaders[split] = (sampler, self._data_loader(split, sampler))
 
+    def identity(self) -> dict[str, dict[str, Any]]:
+        """Each split's number of samples and, for a stream read from files (`paths`), each file with its samples and
+        bytes: what a resume compares with the run's (`check_data`). Nothing is read but the files' sizes."""
+        found: dict[str, dict[str, Any]] = {}
+        for split, stream in self.streams.items():
+            found[split] = {"samples": stream.samples, **_shard_files(stream.dataset, stream.sizes)}
+        for split, (sampler, _) in self._loaders.items():
+            found[split] = {"samples": sampler.size}
+        return found
+
     def num_batches(self, split: str) -> int:
         """Batches in one full epoch of `split` on this rank."""
         if split in self.streams:
@@ -349,3 +364,107 @@ def _check_dataset(split: str, dataset: Any) -> None:
             "dataset (__len__ and __getitem__), which the seeded, resumable order needs, or a "
             "torch.utils.data.IterableDataset"
         )
+
+
+def _shard_files(dataset: Any, sizes: list[int]) -> dict[str, Any]:
+    """`{"shards": [[file, samples, bytes], ...]}` for a stream read from files (`paths`, one per shard), else {}."""
+    paths = getattr(dataset, "paths", None)
+    if not isinstance(paths, (list, tuple)) or len(paths) != len(sizes):
+        return {}
+    return {"shards": [[str(path), size, os.stat(path).st_size] for path, size in zip(paths, sizes)]}
+
+
+# ---------------------------------------------------------------------------------------------- the data's identity
+# A run's data is identified, cheaply, by each split's number of samples, its shard files (their samples and bytes)
+# and the config it is made from (the split's node and every key its `${...}` reach: `sources` in framework/config.py).
+# It is recorded when the run starts, kept in every checkpoint's meta.json (`data_identity`), and a resume on other
+# data is refused in one line: the epoch's order, and the position in it, were planned on the old data. With
+# resume_on_new_data=true the new data is taken: training goes on from the next epoch's batch 0.
+NEW_DATA_KEY = "resume_on_new_data"
+_UNSET = "(unset)"
+
+
+@dataclass
+class DataCheck:
+    """A resumed run's data against its checkpoint's record."""
+
+    record: dict[str, Any]  # what this run's checkpoints record: the run's, with what resume_on_new_data took
+    changed: dict[str, str]  # split -> what differs from the record, taken by resume_on_new_data
+
+    def announcement(self, epoch: int, step: int) -> str:
+        """The one line a resume on new data says (`epoch`: where training goes on, after `start_next_epoch`)."""
+        what = "; ".join(self.changed.values())
+        then = f"epoch {epoch} starts from batch 0 on it, at step {step}, with the run's weights and optimizer"
+        if "train" not in self.changed:
+            then = "the training position stays; the new splits are used from their next round on"
+        return f"Resuming on new data ({NEW_DATA_KEY}=true): {what}; {then}"
+
+
+def check_data(current: dict[str, Any], saved: Any, *, accept: bool, where: str) -> DataCheck:
+    """`current` (each split's identity now) against `saved` (the checkpoint's record, None in one saved before it
+    existed): a split that differs is refused in one line naming the key and both values, unless `accept`."""
+    if not isinstance(saved, dict):
+        log.debug(
+            "resume: %s records no data identity (saved before it was recorded): nothing to compare this run's "
+            "data with; it is recorded from now on",
+            where,
+        )
+        return DataCheck(current, {})
+    changed: dict[str, str] = {}
+    for split, now in current.items():
+        was = saved.get(split)
+        difference = _difference(split, was, now) if isinstance(was, dict) else None
+        if difference is None:
+            continue
+        if not accept:
+            raise ConfigError(
+                f"{difference.refusal}, and a resume goes on with the order planned on that data; expected "
+                f"{difference.expected}, or {NEW_DATA_KEY}=true to start the next epoch (from batch 0) on the new data"
+            )
+        changed[split] = difference.described
+    return DataCheck({**current, **saved} if not changed else {**saved, **current}, changed)
+
+
+@dataclass
+class _Difference:
+    described: str  # for the line a resume on new data says
+    refusal: str  # the refusal's first part: the key, both values
+    expected: str
+
+
+def _counts(was: dict[str, Any], now: dict[str, Any]) -> str:
+    def count(identity: dict[str, Any]) -> str:
+        shards = identity.get("shards")
+        return f"{identity.get('samples')} samples" + (f" in {len(shards)} shards" if isinstance(shards, list) else "")
+
+    return f"then {count(was)}, now {count(now)}"
+
+
+def _difference(split: str, was: dict[str, Any], now: dict[str, Any]) -> Optional[_Difference]:
+    """How a split's identity differs from its record, or None. The key named is one the command line sets: a key the
+    split's node interpolates before the node's own."""
+    old_config: dict[str, Any] = was["config"] if isinstance(was.get("config"), dict) else {}
+    new_config: dict[str, Any] = now["config"]
+    keys = set(old_config) | set(new_config) if old_config else set()  # a record without its config: counts alone
+    differ = sorted(k for k in keys if old_config.get(k, _UNSET) != new_config.get(k, _UNSET))
+    counts = _counts(was, now)
+    if differ:
+        key = min(differ, key=lambda k: (k.startswith(f"data.{split}."), k))
+        old, new = old_config.get(key, _UNSET), new_config.get(key, _UNSET)
+        return _Difference(
+            f"{key}: {old!r} -> {new!r} (data.{split}: {counts})",
+            f"{key}={new!r}: the run's data.{split} was made with {key}={old!r} ({counts})",
+            f"{key}={old!r}",
+        )
+    if was.get("samples") == now["samples"] and was.get("shards") == now.get("shards"):
+        return None
+    files = next(
+        (
+            f"{b[0]}: {b[1]} samples, {b[2]} bytes now; {a[1]}, {a[2]} then"
+            for a, b in zip(was.get("shards") or [], now.get("shards") or [])
+            if a != b
+        ),
+        "",
+    )
+    same = f"data.{split}: {counts}, from the same config{f' (first difference: {files})' if files else ''}"
+    return _Difference(same, same, "the data the run was saved with")

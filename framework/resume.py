@@ -9,7 +9,9 @@
   directory is `outputs/<name>/slurm-<job id>`, the same after a requeue) get it without asking.
 
 The resumed config is the one saved with the checkpoint, exactly: group choices, presets, `+` keys and config
-files of the user's own all come back from it, never from a fresh composition of the defaults. This command
+files of the user's own all come back from it, never from a fresh composition of the defaults. It is saved resolved,
+with a record of the nodes that were plain references to other keys (`data.train.shards: ${data.train_shards}`),
+which come back as such, so that a key set on this command line reaches the nodes made from it. This command
 line's overrides apply on top: a value override sets its key; a group option other than the saved one replaces
 that group's node as a whole, or, for groups whose state the checkpoint holds (model, optimizer, data), is an
 error. So that Hydra composes value overrides against the right options, `argv_with_saved_choices` adds the
@@ -34,8 +36,9 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, cast
 
 import yaml
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import Container, DictConfig, OmegaConf, open_dict
 
+from framework import config
 from framework.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -49,7 +52,7 @@ STATE_GROUPS = {
     "experiment": "a preset sets many groups at once",
 }
 # This invocation's own, never the saved run's.
-_NOT_FROM_SAVED = ("resume", "init_from", "trust_saved_config", "stage", "ckpt")
+_NOT_FROM_SAVED = ("resume", "init_from", "trust_saved_config", "resume_on_new_data", "stage", "ckpt")
 _META_MAX_BYTES = 64 * 2**20
 
 
@@ -390,16 +393,6 @@ def as_data(value: Any) -> Any:
     return value
 
 
-def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
-    """Dotted key -> value for every leaf (lists are leaves)."""
-    if isinstance(node, dict):
-        out: dict[str, Any] = {}
-        for key, value in node.items():
-            out.update(_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
-        return out
-    return {prefix: node}
-
-
 def _raw(cfg: DictConfig, key: str) -> Any:
     """The node at `key` as written (interpolations unresolved, so they resolve in the config it moves to)."""
     parent_key, _, name = key.rpartition(".")
@@ -453,6 +446,9 @@ class SavedRun:
     # Evaluated by a validate/test/predict stage, not continued: only its weights carry over, so another data,
     # optimizer or seed is fine, and another model (or preset) is not.
     evaluated: bool = False
+    # A checkpoint's record of the nodes written as references to other keys (framework/config.py, interpolations);
+    # None where it has none (saved by an older version). Hydra's record of a run keeps its `${...}` in `config`.
+    interpolations: Optional[dict[str, str]] = None
 
     def locked(self) -> dict[str, str]:
         """The groups whose option cannot change, and what of the run would not carry over."""
@@ -472,7 +468,9 @@ def saved_run(resume: Optional[str], checkpoint: Any) -> Optional[SavedRun]:
                 f"{where}: the checkpoint's saved config is not a mapping of keys; expected the "
                 "config written by this framework"
             )
-        return SavedRun(str(checkpoint.path), checkpoint.path, as_data(saved), saved, saved_choices(checkpoint), True)
+        run = SavedRun(str(checkpoint.path), checkpoint.path, as_data(saved), saved, saved_choices(checkpoint), True)
+        run.interpolations = _saved_interpolations(checkpoint.meta.get("interpolations"))
+        return run
     if not resume or resume == AUTO or not _is_run_dir(Path(resume)):
         return None
     path = Path(resume) / ".hydra" / "config.yaml"
@@ -525,6 +523,8 @@ def resumed_config(
     # A run that never saved has no weights of its own: its init_from is its config's, like any other key.
     own = _NOT_FROM_SAVED if saved.state else tuple(k for k in _NOT_FROM_SAVED if k != "init_from")
     merged = _merged(fresh, saved, rechosen, own)
+    if saved.state:
+        _rederive(merged, saved, (*rechosen, *own), [o.key_or_group for o in overrides if not o.is_delete()], fresh)
     for override in overrides:
         key = override.key_or_group
         if (
@@ -597,7 +597,7 @@ def _merged(fresh: DictConfig, saved: SavedRun, rechosen: list[str], own: tuple[
                     and OmegaConf.get_type(merged, key) not in (dict, list, type(None))
                     and isinstance(value, dict)
                 ):  # a typed framework group: keep its schema
-                    for leaf, leaf_value in _leaves(value, key).items():
+                    for leaf, leaf_value in config.leaves(value, key).items():
                         OmegaConf.update(merged, leaf, leaf_value, merge=False)
                 else:
                     merged[key] = value
@@ -610,6 +610,76 @@ def _merged(fresh: DictConfig, saved: SavedRun, rechosen: list[str], own: tuple[
     return merged
 
 
+def _saved_interpolations(record: Any) -> Optional[dict[str, str]]:
+    """A checkpoint's record of interpolations, each a plain reference to other keys (anything else in it is not
+    followed), or None where the checkpoint has none."""
+    if not isinstance(record, dict):
+        return None
+    return {
+        key: written
+        for key, written in record.items()
+        if isinstance(key, str) and isinstance(written, str) and config.references(written, key) is not None
+    }
+
+
+def _rederive(merged: DictConfig, saved: SavedRun, skip: tuple[str, ...], given: list[str], fresh: DictConfig) -> None:
+    """Put the saved nodes that were written as references to other keys (`data.train.shards: ${data.train_shards}`)
+    back over their resolved values, so that a key this command line sets (`given`) reaches the nodes made from it,
+    as it would have in the run's first composition. Each comes back only where, over the saved values, it gives the
+    value saved: a record that does not fit its config is not followed. Groups in `skip` are this command line's."""
+    if saved.interpolations is None:  # not known for the saved run: only what this version's config would make
+        made = config.interpolations(fresh)
+        stale = [k for k, w in made.items() if k not in given and set(config.references(w, k) or ()) & set(given)]
+        if stale:
+            log.warning(
+                "resume: %s was saved before checkpoints recorded interpolations: %s keep their saved values, though "
+                "this version's config makes them from keys set here; set them too to change them",
+                saved.source,
+                ", ".join(sorted(stale)),
+            )
+        return
+    probe, plain = OmegaConf.create(saved.config), OmegaConf.create(saved.config)
+    record = {key: w for key, w in saved.interpolations.items() if _top(key) not in skip and _holds(plain, key)}
+    for key, written in record.items():
+        OmegaConf.update(probe, key, written, merge=False)
+    for key, written in record.items():
+        try:
+            fits = _plain(OmegaConf.select(probe, key)) == _plain(OmegaConf.select(plain, key))
+        except Exception:  # noqa: BLE001  (omegaconf's resolution errors: a reference to nothing)
+            fits = False
+        if fits:
+            try:
+                OmegaConf.update(merged, key, written, merge=False)
+            except Exception as err:  # noqa: BLE001  (a node this version types otherwise: the saved value stays)
+                log.debug("resume: %s stays as saved (%s)", key, str(err).splitlines()[0])
+        else:
+            log.info(
+                "resume: %s=%r is kept as saved: its recorded interpolation %s does not give it",
+                key,
+                _plain(OmegaConf.select(plain, key)),
+                written,
+            )
+
+
+_ABSENT = object()
+
+
+def _holds(cfg: DictConfig, key: str) -> bool:
+    """Is there a node at `key` (a full key, `a.b[0].c`)?"""
+    try:
+        return bool(key) and OmegaConf.select(cfg, key, default=_ABSENT) is not _ABSENT
+    except Exception:  # noqa: BLE001  (omegaconf's key errors: `a.b` into a list)
+        return False
+
+
+def _top(key: str) -> str:
+    return key.split(".", 1)[0].split("[", 1)[0]
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True, enum_to_str=True) if isinstance(value, Container) else value
+
+
 def _report_changes(
     saved: dict[str, Any],
     merged: DictConfig,
@@ -619,10 +689,10 @@ def _report_changes(
     doing: str = "Resuming",
 ) -> None:
     try:
-        now = _leaves(OmegaConf.to_container(merged, resolve=True, enum_to_str=True))
+        now = config.leaves(OmegaConf.to_container(merged, resolve=True, enum_to_str=True))
     except Exception:  # noqa: BLE001  (an unresolvable value is reported by the app's own check)
         return
-    before = _leaves(saved)
+    before = config.leaves(saved)
     changed = [f"{group}: {old_choices.get(group)} -> {choices[group]}" for group in rechosen]
     changed += [
         f"{key}: {before.get(key, '(unset)')!r} -> {value!r}"

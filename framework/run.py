@@ -18,6 +18,8 @@ from framework import reproducibility, task_hooks
 from framework.build import build_components
 from framework.checkpoint import Checkpoint, CheckpointManager, open_checkpoint
 from framework.compile_report import compile_report
+from framework.config import interpolations, sources
+from framework.data import DataCheck, DataModule, check_data
 from framework.errors import ConfigError
 from framework.evaluate import Evaluator, move_to
 from framework.loggers import TensorBoardLogger
@@ -162,8 +164,10 @@ class Run:
         return agreed, resume_from
 
     def _register_state(self, choices: Optional[dict[str, Any]]) -> TrainingState:
-        """Every piece of resumable state, once. The checkpoint's meta.json also holds the config and the groups'
-        options (which resume rebuilds the run from) and the number of processes."""
+        """Every piece of resumable state, once. The checkpoint's meta.json also holds the config, its
+        interpolations and the groups' options (which resume rebuilds the run from), the data's identity (which a
+        resume compares) and the number of processes."""
+        self.data_check = _check_data(self.cfg, self.data, self.resume_from)  # before anything trains
         state = TrainingState(
             lambda: self.module,
             self.progress,
@@ -172,6 +176,8 @@ class Run:
                 "framework_version": framework.__version__,  # which version wrote it
                 "world_size": self.strategy.world_size,
                 "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
+                "interpolations": interpolations(self.cfg),  # what a resume re-derives (framework/resume.py)
+                "data_identity": self.data_check.record,
                 "choices": {g: o for g, o in (choices or {}).items() if not g.startswith("hydra")},
             },
         )
@@ -185,7 +191,7 @@ class Run:
         state.register("task", self.task_state, optional=True, check=self.task_state.check_state_dict)
         state.register("callbacks", self.callbacks, check=callbacks_check(self.callbacks), optional=True)
         if self.data.streams:  # their position is the loop's; this holds what it needs (framework/streaming.py)
-            streams = StreamState(self.data.streams, self.progress)
+            streams = StreamState(self.data.streams, self.progress, new_data=self.data_check.changed)
             state.register("data", streams, check=streams.check_state_dict, optional=True)
         rng = RngState(self.strategy)
         state.register("rng", rng, check=rng.check_state_dict)  # last: loading it must follow all the rest
@@ -276,6 +282,7 @@ class Run:
             optimizer=self.optimizer,
             scheduler=self.scheduler,
         )
+        _start_on_new_data(self.data_check, self.progress, self.strategy.is_rank_zero)
         self.checkpoints.saved_step = self.progress.step
         if self.strategy.is_rank_zero:
             p = self.progress
@@ -327,3 +334,23 @@ class Run:
             every = self.strategy.gather_objects(read)  # a sample is read by another rank in another epoch
             summary["data_skipped"] = indexed + sum(len(set().union(*(r[split] for r in every))) for split in read)
         return summary
+
+
+def _check_data(cfg: DictConfig, data: DataModule, checkpoint: Optional[Checkpoint]) -> DataCheck:
+    """This run's data (each split's samples, shard files and the config it is made from) against the identity the
+    checkpoint it resumes from recorded: refused where it differs, unless resume_on_new_data."""
+    current = {split: {**found, "config": sources(cfg, f"data.{split}")} for split, found in data.identity().items()}
+    if checkpoint is None:
+        return DataCheck(current, {})
+    saved = checkpoint.meta.get("data_identity")
+    return check_data(current, saved, accept=bool(cfg.get("resume_on_new_data")), where=str(checkpoint.path))
+
+
+def _start_on_new_data(check: DataCheck, progress: Progress, rank_zero: bool) -> None:
+    """After a restore that resume_on_new_data let through: a new train split starts at the next epoch's batch 0."""
+    if not check.changed:
+        return
+    if "train" in check.changed:
+        progress.start_next_epoch()
+    if rank_zero:
+        log.warning("%s", check.announcement(progress.epoch, progress.step))

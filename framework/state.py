@@ -63,6 +63,13 @@ class Progress:
     def position(self) -> dict[str, int]:
         return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
 
+    def start_next_epoch(self) -> None:
+        """Leave the epoch in progress, if any, for the next one's batch 0 (a resume on new data: the rest of an
+        epoch planned on the old data has no meaning on the new). The step count stays."""
+        if self.batch_in_epoch:
+            self.epoch += 1
+            self.batch_in_epoch = 0
+
 
 class Values:
     """A dict of plain values (the run's metrics) as a stateful part; the dict object itself is kept."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, cast
+from typing import Any, Callable, Collection, Iterable, Iterator, Optional, Sequence, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
@@ -318,11 +318,13 @@ class StreamState:
     """The streams as registered resumable state. Their position is the loop's (epoch, batch_in_epoch), which the
     plan turns into samples; saved here is what that needs (each split's size, the world size and batch size of
     the plan, a redistributed rest of the epoch) and the bad samples skipped so far. A resume on other data is
-    refused; one mid-epoch on another number of processes gets the rest of the epoch redistributed (`Rest`), and
-    sets the loop's batch in the epoch to where that rest starts."""
+    refused (here by its size, for checkpoints older than the data's identity: framework/data.py); one mid-epoch on
+    another number of processes gets the rest of the epoch redistributed (`Rest`), and sets the loop's batch in the
+    epoch to where that rest starts. `new_data`: the splits a resume on new data (resume_on_new_data) takes as they
+    are now, whose saved state describes other samples: neither held against them nor loaded."""
 
-    def __init__(self, streams: dict[str, Stream], progress: Any) -> None:
-        self.streams, self.progress = streams, progress
+    def __init__(self, streams: dict[str, Stream], progress: Any, new_data: Collection[str] = ()) -> None:
+        self.streams, self.progress, self.new_data = streams, progress, new_data
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -345,8 +347,8 @@ class StreamState:
     def check_state_dict(self, saved: Any, where: str) -> None:
         for split, s in self.streams.items():
             was = saved.get(split) if isinstance(saved, dict) else None
-            if not isinstance(was, dict):
-                continue  # a split that was not a stream then: nothing to hold it to
+            if not isinstance(was, dict) or split in self.new_data:
+                continue  # a split that was not a stream then, or that a resume takes anew: nothing to hold it to
             if was.get("samples") != s.samples:
                 raise ConfigError(
                     f"data.{split}: {s.samples} samples now, {was.get('samples')} when {where.split(':')[0]} was "
@@ -362,9 +364,10 @@ class StreamState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for split, s in self.streams.items():
-            s.bad = set(state.get(split, {}).get("bad", []))
+            if split not in self.new_data:
+                s.bad = set(state.get(split, {}).get("bad", []))
         train, saved = self.streams.get("train"), state.get("train", {})
-        if train is None or "epoch" not in saved:
+        if train is None or "epoch" not in saved or "train" in self.new_data:
             return
         chain = [(int(w), int(c)) for w, c in saved["chain"]]
         k, offset = saved["batch_in_epoch"], saved["offset"]

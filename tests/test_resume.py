@@ -251,3 +251,65 @@ def test_a_checkpoint_whose_state_does_not_fit_the_run_is_skipped_for_an_older_o
     assert proc.returncode == 0, output(proc)
     assert "Skipping a damaged checkpoint" in output(proc) and "optimizer/state/0/momentum_buffer" in output(proc)
     assert "at step 8 (" in output(proc)
+
+
+# ---------------------------------------------------------------------------------------------- the data and the config it came from
+def test_a_resume_on_a_map_style_split_of_another_size_is_refused_in_one_line(warmup_run, tmp_path):
+    run_dir = copy_of(warmup_run, tmp_path)
+    before = json.loads((run_dir / "summary.json").read_text())["step"]
+    line = one_error_line(run_cli(None, f"resume={run_dir}", "data.train.val_fraction=0.2", "trainer.max_steps=16",
+                                  fast=False))
+    assert "data.train.val_fraction=0.2" in line and "data.train.val_fraction=0.15" in line, line
+    assert "resume_on_new_data=true" in line
+    assert json.loads((run_dir / "summary.json").read_text())["step"] == before  # nothing trained
+
+
+@pytest.mark.unit
+def test_a_recorded_interpolation_comes_back_only_where_it_gives_the_value_saved(compose):
+    """A checkpoint's record is data: an entry that does not give the saved value (`data.val.root`, saved 'outputs'),
+    or that calls a resolver (`name`), is not followed; the true ones are, so the new shards reach data.train."""
+    from omegaconf import OmegaConf
+
+    from framework import config
+    from framework.resume import SavedRun, _saved_interpolations, as_data, resumed_config
+
+    first = compose("data=webdataset", "data.train_shards='old'")
+    values = OmegaConf.to_container(first, resolve=True)
+    record = {**config.interpolations(first), "data.val.root": "${data.train_shards}", "name": "${oc.env:HOME}"}
+    saved = SavedRun("c", Path("c"), as_data(values), values, {"data": "webdataset"}, True)
+    saved.interpolations = _saved_interpolations(record)  # what a checkpoint's meta.json gives saved_run
+    assert "name" not in saved.interpolations
+    fresh = compose("data=webdataset", "data.train_shards='new'")
+    cfg, _ = resumed_config(fresh, saved, {"data": "webdataset"}, ["data.train_shards='new'"])
+    assert (cfg.data.train.shards, cfg.data.val.root, cfg.name) == ("new", "outputs", values["name"])
+    assert OmegaConf.to_container(cfg.data.val, resolve=False)["root"] == "outputs"  # kept as saved
+
+
+@pytest.mark.slow
+def test_an_override_of_a_key_other_keys_interpolate_reaches_them_after_a_resume(tmp_path):
+    """The no_decay group's lr is written as ${optimizer.lr}: a new optimizer.lr on resume is its lr too."""
+    run_dir = tmp_path / "run"
+    proc = run_cli(run_dir, *SHORT, "trainer.log_every_n_steps=4", "+optimizer.param_groups.0.lr=${optimizer.lr}")
+    assert proc.returncode == 0, output(proc)
+    proc = run_cli(None, f"resume={run_dir}", "optimizer.lr=0.05", "trainer.max_steps=20", fast=False)
+    assert proc.returncode == 0, output(proc)
+    assert "optimizer.lr: 0.1 -> 0.05" in output(proc) and "optimizer.param_groups: " in output(proc)
+    assert saved_config(run_dir)["optimizer"]["param_groups"][0]["lr"] == 0.05
+    lrs = dict(read_scalars(run_dir)["lr/no_decay"])
+    assert lrs[12] == pytest.approx(0.1) and lrs[16] == pytest.approx(0.05) and lrs[20] == pytest.approx(0.05)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_a_recorded_data_identity_resumes_and_records_it_from_then_on(warmup_run, tmp_path):
+    run_dir = copy_of(warmup_run, tmp_path)
+    for meta_path in (run_dir / "checkpoints").glob("*/meta.json"):  # as a checkpoint of an older version
+        meta = json.loads(meta_path.read_text())
+        assert meta.pop("data_identity") is not None
+        meta_path.unlink()
+        meta_path.write_text(json.dumps(meta))
+    proc = run_cli(None, f"resume={run_dir}", "trainer.max_steps=16", "hydra.verbose=framework.data", fast=False)
+    assert proc.returncode == 0, output(proc)
+    assert "records no data identity" in output(proc)  # said at debug level: nothing to compare with
+    line = one_error_line(run_cli(None, f"resume={run_dir}", "data.train.val_fraction=0.2", "trainer.max_steps=20",
+                                  fast=False))
+    assert "data.train.val_fraction=0.2" in line and "data.train.val_fraction=0.15" in line, line

@@ -121,7 +121,9 @@ FAKE = ("{_target_: torchvision.datasets.FakeData, size: 5, image_size: [3, 8, 8
     (("test", "ckpt=RUN", "model=cnn"), "Error: model=cnn: the run used model=mlp, and its weights cannot carry over"),
     (("test", "ckpt=RUN", "data.test=null"), "Error: data.test: null, so there is nothing to test; expected"),
     (("test", "ckpt=RUN/checkpoints"), "Error: ckpt='RUN/checkpoints': neither a checkpoint (no meta.json) nor a run"),
-    (("test", "ckpt=RUN", "data.input_shape=[3,8,8]"), "Error: data.input_shape=[3, 8, 8]: the first test batch has"),
+    # (model.input_shape is ${data.input_shape}: kept, so that the weights fit and the data is what does not)
+    (("test", "ckpt=RUN", "data.input_shape=[3,8,8]", "model.input_shape=[1,8,8]"),
+     "Error: data.input_shape=[3, 8, 8]: the first test batch has"),
     (("predict", "ckpt=RUN", f"+data.predict={FAKE}"),
      "Error: task: ClassificationTask.predict_step on the first batch to predict ("),
     (("predict", "ckpt=RUN", "parallel=fsdp"), "Error: parallel=fsdp: predict runs each process's own samples"),

@@ -133,6 +133,27 @@ def test_a_resume_refuses_other_data_and_a_scanned_stream_on_another_world_size_
     state.check_state_dict({"train": {**saved["train"], "world_size": 2, "batch_in_epoch": 0}}, "c: data")
 
 
+def test_shards_rewritten_under_the_same_names_are_other_data_to_a_resume(tmp_path):
+    """The data's identity holds each shard file's samples and bytes: the same pattern and config over rewritten
+    files is refused, naming the split, both counts and the first shard that differs; resume_on_new_data takes it."""
+    from framework.data import check_data
+
+    def identity() -> dict:
+        data = module(tar_shards(pattern))
+        data.setup(seed=0)
+        return {split: {**found, "config": {"data.train_shards": pattern}} for split, found in data.identity().items()}
+
+    pattern = id_shards(tmp_path, [8, 8])
+    recorded = identity()
+    assert check_data(identity(), recorded, accept=False, where="c").changed == {}
+    id_shards(tmp_path, [8, 9])
+    with pytest.raises(ConfigError, match=r"^data.train: then 16 samples in 2 shards, now 17 samples in 2 shards, "
+                                          r"from the same config \(first difference: .*train-000001.tar: 9 samples"):
+        check_data(identity(), recorded, accept=False, where="c")
+    taken = check_data(identity(), recorded, accept=True, where="c")
+    assert set(taken.changed) == {"train"} and taken.record["train"]["samples"] == 17
+
+
 def consume(pattern: str, world: int, saved: dict | None, batches: int | None, epoch: int = 1):
     """Each rank of `world` resumed from `saved` (None: the epoch's start), consuming `batches` batches of `epoch`
     (None: to its end): (ids consumed, the state saved after, the loop's batch each rank stopped at)."""

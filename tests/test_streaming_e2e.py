@@ -178,3 +178,61 @@ def test_an_undecodable_sample_read_by_a_worker_is_one_error_line_or_skipped_and
     proc = run(tmp_path / "skips", (*args, "data.skip_corrupt=true"), shards)
     assert output(proc).count("cannot be decoded") == 1  # one warning
     assert json.loads((tmp_path / "skips" / "summary.json").read_text())["data_skipped"] == 1
+
+
+# ---------------------------------------------------------------------------------------------- other data on resume
+# Five shards of 8 samples: the run trains on the first four (4 batches of 8 an epoch) and is stopped mid-epoch; its
+# resume names one more shard (5 batches an epoch) or one fewer (3).
+STOPPED_AT = 6  # epoch 1, batch 2: SIGTERM saves `last` there
+
+
+def train_pattern(folder: Path, last: int) -> str:
+    return f"{folder}/train-{{000000..{last:06d}}}.tar"
+
+
+@pytest.fixture(scope="module")
+def stopped_on_four_shards(tmp_path_factory: pytest.TempPathFactory, shards) -> Path:
+    """The folder of a run on shards 0-3 stopped by SIGTERM after step 6, with its shards and the IDs it trained
+    on (ids/rank0.txt)."""
+    folder = tmp_path_factory.mktemp("other-data")
+    write_id_shards(folder, "train", [8] * 5)
+    args = ("data=webdataset", f"data.train_shards='{train_pattern(folder, 3)}'", f"data.val_shards='{shards[1]}'",
+            "data.test=null", "data.input_shape=[1,1,2]", "data.batch_size=8", "data.shuffle_buffer=16",
+            "data.num_workers=0", "model.hidden=[8]", "trainer.max_epochs=3", "logger.progress_bar=false",
+            "+callbacks.ids._target_=record.Record", f"+callbacks.ids.folder={folder / 'ids'}")
+    (folder / "ids").mkdir()
+    env = {"PYTHONPATH": on_pythonpath(shards[2], KILLHOOK), "KILL_AT_STEP": str(STOPPED_AT), "KILL_SIGNAL": "SIGTERM"}
+    proc = run_cli(folder / "run", *args, fast=False, env=env)
+    assert proc.returncode == 128 + signal.SIGTERM, output(proc)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("last, samples", [(4, 40), (2, 24)], ids=["more-shards", "fewer-shards"])
+def test_a_resume_on_other_shards_is_refused_or_with_resume_on_new_data_trains_them_from_the_next_epoch(
+        tmp_path, shards, stopped_on_four_shards, last, samples):
+    folder = Path(shutil.copytree(stopped_on_four_shards, tmp_path / "copy"))
+    run_dir, ids, env = folder / "run", folder / "ids", {"PYTHONPATH": on_pythonpath(shards[2])}
+    old, new = train_pattern(stopped_on_four_shards, 3), train_pattern(stopped_on_four_shards, last)
+    resume = (f"resume={run_dir}", "trust_saved_config=true", f"+callbacks.ids.folder={ids}",
+              f"data.train_shards='{new}'")
+    refused = run_cli(None, *resume, fast=False, env=env)
+    line = one_error_line(refused)
+    assert f"data.train_shards={new!r}" in line and repr(old) in line, line
+    # The printed changes name what would differ: the key typed and the node that interpolates it.
+    assert f"data.train.shards: {old!r} -> {new!r}" in output(refused)
+    assert max(digest(ids)["rank0"]) == STOPPED_AT - 1  # nothing trained
+
+    accepted = run(None, (*resume, "resume_on_new_data=true"), shards)
+    said = [line for line in output(accepted).splitlines() if "resume_on_new_data=true" in line]
+    assert len(said) == 1 and "epoch 2 starts from batch 0" in said[0], output(accepted)
+    batches = -(-samples // 8)
+    steps = digest(ids)["rank0"]
+    after = [steps[s] for s in sorted(steps) if s >= STOPPED_AT]
+    assert len(after) == batches  # the rest of epoch 1 left, one epoch (2, the last) of the new data's batches
+    assert sorted(i for batch in after for i in batch) == list(range(samples))  # each sample of the new shards once
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["step"], summary["epoch"], summary["epoch_batches"]) == (STOPPED_AT + batches, 3, batches)
+    meta = json.loads((run_dir / "checkpoints" / "last" / "meta.json").read_text())
+    assert meta["config"]["data"]["train"]["shards"] == new  # the saved config says what the run read
+    assert meta["data_identity"]["train"]["samples"] == samples  # and a later resume is held to the new data
