@@ -20,7 +20,7 @@ from typing import Any, Iterator, Optional, cast
 from hydra.conf import HydraConf
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework import __version__, config, provenance, resume, rundir, sweep, trackers
