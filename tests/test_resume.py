@@ -266,7 +266,7 @@ def test_a_resume_on_a_map_style_split_of_another_size_is_refused_in_one_line(wa
 
 @pytest.mark.unit
 def test_a_recorded_interpolation_comes_back_only_where_it_gives_the_value_saved(compose):
-    """A checkpoint's record is data: an entry that does not give the saved value (`data.val.root`, saved 'outputs'),
+    """A checkpoint's record is data: an entry that does not give the saved value (`data.val.root`, saved null),
     or that calls a resolver (`name`), is not followed; the true ones are, so the new shards reach data.train."""
     from omegaconf import OmegaConf
 
@@ -281,8 +281,8 @@ def test_a_recorded_interpolation_comes_back_only_where_it_gives_the_value_saved
     assert "name" not in saved.interpolations
     fresh = compose("data=webdataset", "data.train_shards='new'")
     cfg, _ = resumed_config(fresh, saved, {"data": "webdataset"}, ["data.train_shards='new'"])
-    assert (cfg.data.train.shards, cfg.data.val.root, cfg.name) == ("new", "outputs", values["name"])
-    assert OmegaConf.to_container(cfg.data.val, resolve=False)["root"] == "outputs"  # kept as saved
+    assert (cfg.data.train.shards, cfg.data.val.root, cfg.name) == ("new", None, values["name"])
+    assert OmegaConf.to_container(cfg.data.val, resolve=False)["root"] is None  # kept as saved
 
 
 @pytest.mark.slow
