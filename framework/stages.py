@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from framework import task_hooks
-from framework.checkpoint import Checkpoint, DamagedCheckpoint, find_latest, open_checkpoint
+from framework.checkpoint import Checkpoint, DamagedCheckpoint, check_compatible, find_latest, open_checkpoint
 from framework.core.files import write_text
 from framework.errors import ConfigError, UserError
 from framework.evaluate import move_to
@@ -211,10 +211,8 @@ def _load_weights(run: Run, checkpoint: Checkpoint) -> str:
         run.module.load_state_dict(checkpoint.model_state(run.strategy.mesh))
         return "trained weights"
     weights, which = eval_weights(checkpoint)
-    try:
-        run.module.load_state_dict(weights)
-    except RuntimeError as err:
-        raise ConfigError(f"ckpt={str(checkpoint.path)!r}: its weights do not fit this model ({err})") from None
+    check_compatible(run.module, weights, f"ckpt={str(checkpoint.path)!r}", strict=True)  # one line naming the keys
+    run.module.load_state_dict(weights)
     if run.strategy.is_rank_zero:
         log.info("Evaluating %s of %s (step %d)", which.split(" (")[0], checkpoint.path, checkpoint.step)
     return which.split(" (")[0]

@@ -128,8 +128,10 @@ FAKE = ("{_target_: torchvision.datasets.FakeData, size: 5, image_size: [3, 8, 8
      "Error: task: ClassificationTask.predict_step on the first batch to predict ("),
     (("predict", "ckpt=RUN", "parallel=fsdp"), "Error: parallel=fsdp: predict runs each process's own samples"),
     (("test", "+ckpt_path=RUN"), "Error: ckpt_path='RUN': the root config has no key 'ckpt_path'; did you mean 'ckpt'"),
+    (("test", "ckpt=RUN", "model.hidden=[32]"),
+     "Error: ckpt='RUN/checkpoints/best': its weights do not fit this model (unexpected net.5.bias, net.5.weight;"),
 ], ids=["missing", "unset", "with-resume", "fit-with-ckpt", "other-model", "no-test-split", "not-a-run",
-        "test-data-unfit", "predict-data-unfit", "predict-fsdp", "lightning-ckpt-path"])
+        "test-data-unfit", "predict-data-unfit", "predict-fsdp", "lightning-ckpt-path", "model-unfit"])
 def test_every_bad_ckpt_is_one_error_line_and_leaves_no_run_directory(trained, tmp_path, args, expected):
     args = tuple(a.replace("RUN", str(trained)) for a in args)
     expected = expected.replace("RUN", str(trained))
