@@ -117,3 +117,34 @@ def test_a_launcher_that_raises_still_leaves_the_summary_and_one_error_line(tmp_
     assert str(sweep_dir / "summary.csv") in errors[0], text
     assert statuses(sweep_dir) == {"0_optimizer.lr=0.05": "ok", "1_optimizer.lr=0.1": "unfinished",
                                    "2_optimizer.lr=0.2": "unfinished"}, text
+
+
+@pytest.mark.slow
+def test_a_submitit_job_whose_time_limit_ends_it_for_good_is_recorded_and_the_others_are_collected(tmp_path):
+    """submitit's handler raises instead of requeueing a job that timed out too often (here at its first time limit,
+    max_num_timeout=0): the job's exception reached the sweeper, which raised it through the CLI, a traceback. The
+    job saved checkpoints/last and is `interrupted`, saying why it was not requeued; the other job's row is kept."""
+    proc, sweep_dir = sweep(tmp_path, "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=1",
+                            "+hydra.launcher.max_num_timeout=0", "checkpoint=default", "callbacks=none",
+                            "trainer.max_epochs=-1", "trainer.max_steps=3,100000", parts="1=slow")
+    text = output(proc)
+    assert proc.returncode == 1 and "Traceback" not in text, text
+    table = rows(sweep_dir)
+    assert statuses(sweep_dir) == {"0_trainer.max_steps=3": "ok", "1_trainer.max_steps=100000": "interrupted"}, text
+    assert "not requeued: UncompletedJobError: Job not requeued because: timed-out too many times" in \
+        table["1_trainer.max_steps=100000"]["error"], table
+    assert (sweep_dir / "1_trainer.max_steps=100000" / "checkpoints" / "last").is_dir()
+
+
+def test_ctrl_c_that_ends_a_job_of_the_basic_launcher_is_its_row_and_stops_the_sweep_with_its_summary(tmp_path):
+    """Hydra's basic launcher runs the jobs in the sweep's own process. A KeyboardInterrupt in a job (Ctrl-C with
+    checkpoint.on_signal=false, or a second stop signal) went past the job's records: "Interrupted.", exit 130, no
+    summary.csv. It is the job's row, `killed`, and the sweep stops as on a first Ctrl-C, with its summary."""
+    # A suite started by a shell without job control ignores SIGINT, and so would the sweep: this is about Ctrl-C.
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (conftest restores this worker's handler after)
+    proc, sweep_dir = sweep(tmp_path, "checkpoint.on_signal=false", "optimizer.lr=0.05,0.1,0.2", parts="1=SIGINT")
+    text = output(proc)
+    assert proc.returncode == 130 and "Traceback" not in text, text
+    assert statuses(sweep_dir) == {"0_optimizer.lr=0.05": "ok", "1_optimizer.lr=0.1": "killed"}, text
+    assert "KeyboardInterrupt" in rows(sweep_dir)["1_optimizer.lr=0.1"]["error"]
+    assert f"Sweep stopped by SIGINT: the same command with hydra.sweep.dir={sweep_dir}" in text
