@@ -6,8 +6,10 @@ key, every metric any job recorded, status, seconds), prints the table best job 
 seeds when the sweep varies `seed` beside other keys), and exits non-zero if any job failed. A sweep over
 `data.fold` (k-fold cross-validation) adds, for each group of jobs that differ only in it, a row of every metric's
 mean ± std over the folds (`fold_rows`). Jobs never stop a sweep: the app records a failed job's error in its
-`summary.json` and returns (see app.py); a job directory without a record is `unfinished`. A launcher that raises
-still gets the summary, and one error line (`ended_by`, called by cli.run).
+`summary.json` and returns (see app.py); a job whose process dies is marked `killed` there by the launcher, which
+is the framework's subclass of the joblib or submitit plugin's (hydra_plugins/htf_launchers, framework/
+sweep_launchers.py); a job directory without a record is `unfinished`. A launcher that raises all the same still
+gets the summary, and one error line (`ended_by`, called by cli.run).
 
 `${sweep_subdir:}` (conf/config.yaml, `hydra.sweep.subdir`) names a job's directory after the keys the sweep
 varies only: `-m optimizer.lr=0.01,0.1 trainer.max_epochs=3` gives `0_optimizer.lr=0.01`, not every override.
@@ -495,6 +497,19 @@ def report(config: DictConfig, sweep_dir: Optional[Path], declared: Collection[s
     return bool(failed)
 
 
+def _launch_outliving_jobs(config: DictConfig) -> None:
+    """Hydra's joblib and submitit plugins end a sweep when a job's process dies: the sweep launches through the
+    framework's subclass of the plugin's launcher its config chose, which outlives its jobs (hydra_plugins/
+    htf_launchers). Set before the sweeper is built, which builds the launcher; the sweep's multirun.yaml records it."""
+    from hydra_plugins.htf_launchers import OUTLIVING
+
+    launcher = config.hydra.launcher
+    ours = OUTLIVING.get(str(launcher.get("_target_")))
+    if ours is not None:
+        with read_write(launcher):
+            launcher._target_ = ours
+
+
 class SweepSummary(Callback):
     """At the end of a multirun: summary.csv, the table best job first, and a non-zero exit on failures."""
 
@@ -528,6 +543,7 @@ class SweepSummary(Callback):
         if fixed and not any(str(o).lstrip("+~").startswith("hydra.sweep.dir=") for o in hydra_overrides):
             with read_write(hydra_overrides):
                 hydra_overrides.append(fixed)
+        _launch_outliving_jobs(config)
         _SWEEP["config"] = config  # from here until on_multirun_end, a launcher that raises gets a summary (ended_by)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

@@ -90,6 +90,24 @@ def statuses(sweep_dir: Path) -> dict[str, str]:
     return {job: row["status"] for job, row in rows(sweep_dir).items()}
 
 
+@pytest.mark.slow
+def test_a_joblib_worker_killed_mid_sweep_costs_the_jobs_it_ran_beside_and_the_rest_still_run(tmp_path):
+    """A SIGKILLed loky worker raised TerminatedWorkerError through the CLI: a traceback, exit 1, no summary.csv, and
+    the other jobs' results lost. Job 1 dies once job 0 has finished and job 2 runs beside it (joblib ends every
+    running job when a worker dies); job 3 has not started then and must still run."""
+    proc, sweep_dir = sweep(tmp_path, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "data.folds=4",
+                            "data.fold=0,1,2,3", parts="1=SIGKILL,2=hold")
+    text = output(proc)
+    assert proc.returncode == 1 and "Traceback" not in text, text
+    table = rows(sweep_dir)
+    assert statuses(sweep_dir) == {"0_data.fold=0": "ok", "1_data.fold=1": "killed", "2_data.fold=2": "killed",
+                                   "3_data.fold=3": "ok", "mean ± std over folds": "incomplete"}, text
+    assert all("SIGKILL" in table[job]["error"] for job in ("1_data.fold=1", "2_data.fold=2")), table
+    assert table["mean ± std over folds"]["error"] == "fold 1 killed, fold 2 killed"
+    assert table["3_data.fold=3"]["val/acc"] and table["0_data.fold=0"]["val/acc"]
+    assert "Sweep summary (4 jobs" in proc.stdout and "killed" in proc.stdout
+
+
 RAW_LAUNCHER = """
 from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher
 
@@ -117,6 +135,21 @@ def test_a_launcher_that_raises_still_leaves_the_summary_and_one_error_line(tmp_
     assert str(sweep_dir / "summary.csv") in errors[0], text
     assert statuses(sweep_dir) == {"0_optimizer.lr=0.05": "ok", "1_optimizer.lr=0.1": "unfinished",
                                    "2_optimizer.lr=0.2": "unfinished"}, text
+
+
+@pytest.mark.slow
+def test_a_submitit_job_killed_mid_sweep_is_marked_and_the_parent_collects_the_others(tmp_path):
+    """Hydra's submitit launcher waited on its jobs in order and raised at the first that produced no result: a
+    traceback, no summary.csv, and the jobs after it never collected. Job 1 is SIGKILLed once job 0 finished; job 2
+    runs beside it."""
+    proc, sweep_dir = sweep(tmp_path, "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5",
+                            "optimizer.lr=0.05,0.1,0.2", parts="1=SIGKILL")
+    text = output(proc)
+    assert proc.returncode == 1 and "Traceback" not in text, text
+    table = rows(sweep_dir)
+    assert statuses(sweep_dir) == {"0_optimizer.lr=0.05": "ok", "1_optimizer.lr=0.1": "killed",
+                                   "2_optimizer.lr=0.2": "ok"}, text
+    assert "has not produced any output" in table["1_optimizer.lr=0.1"]["error"], table
 
 
 @pytest.mark.slow
@@ -148,3 +181,19 @@ def test_ctrl_c_that_ends_a_job_of_the_basic_launcher_is_its_row_and_stops_the_s
     assert statuses(sweep_dir) == {"0_optimizer.lr=0.05": "ok", "1_optimizer.lr=0.1": "killed"}, text
     assert "KeyboardInterrupt" in rows(sweep_dir)["1_optimizer.lr=0.1"]["error"]
     assert f"Sweep stopped by SIGINT: the same command with hydra.sweep.dir={sweep_dir}" in text
+
+
+@pytest.mark.unit
+def test_every_launcher_of_hydras_joblib_and_submitit_plugins_has_the_frameworks_that_outlives_its_jobs():
+    """A sweep launches through the framework's subclass of the plugin launcher its config names (SweepSummary): each
+    launcher the plugins register must have one, which runs the plugin's own launch."""
+    from hydra.utils import get_class
+    from hydra_plugins.hydra_joblib_launcher.config import JobLibLauncherConf
+    from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
+
+    from hydra_plugins.htf_launchers import OUTLIVING
+
+    assert set(OUTLIVING) == {conf._target_ for conf in (JobLibLauncherConf, LocalQueueConf, SlurmQueueConf)}
+    for plugins, ours in OUTLIVING.items():
+        assert ours.startswith("hydra_plugins.htf_launchers.")  # Hydra instantiates launchers of this namespace only
+        assert get_class(ours).__bases__ == (get_class(plugins),) and "launch" in vars(get_class(ours))
