@@ -33,8 +33,8 @@ test: check docs
 
 # Lint, format and types of the library (configured in pyproject.toml): part of `make test`, seconds.
 check: $(STAMP)
-	$(VENV)/bin/ruff check framework
-	$(VENV)/bin/ruff format --check framework
+	$(VENV)/bin/ruff check framework hydra_plugins
+	$(VENV)/bin/ruff format --check framework hydra_plugins
 	$(VENV)/bin/mypy
 
 # The docs site, strict: a broken link or a renamed symbol in the API reference fails. Built into .venv/site.

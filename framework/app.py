@@ -11,6 +11,7 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import time
 import traceback
@@ -369,21 +370,37 @@ def _sweep_job(cfg: DictConfig) -> float:
             _write_summary(run_dir, {"status": DRY_RUN, "seconds": round(time.perf_counter() - start, 3)})
         return float("nan") if objective is None else objective
     except Interrupted as err:  # saved on a signal: requeued (submitit exits here), or reported as interrupted
-        log.warning("%s", err)
-        _requeue(cfg, err)
-        _write_summary(
-            Path(HydraConfig.get().runtime.output_dir),
-            {"status": "interrupted", "error": str(err), "seconds": round(time.perf_counter() - start, 3)},
-        )
-        if err.signum in STOP_ONLY:  # Ctrl-C or scancel: the jobs after it do not start either
-            sweep.stop_in_sweep_process(cfg, err.signum)
-        return float("nan")
+        return _interrupted_job(cfg, err, start)
     except SystemExit as err:
         if _submitit_requeue(err):  # its time-limit handler requeued the job and exits: not a failure
             raise
         return _failed_job(err, start, bool(started))
+    except KeyboardInterrupt as err:  # Ctrl-C unwatched (checkpoint.on_signal=false), or a second stop signal
+        _failed_job(err, start, bool(started), status="killed")
+        sweep.stop_in_sweep_process(cfg, signal.SIGINT)  # the basic launcher's sweep stops, as on a first Ctrl-C
+        return float("nan")
     except Exception as err:  # noqa: BLE001  (recorded, reported at the end of the sweep)
         return _failed_job(err, start, bool(started))
+
+
+def _interrupted_job(cfg: DictConfig, err: Interrupted, start: float) -> float:
+    """A job that stopped on a signal and saved: requeued (submitit's handler exits the process), or recorded as
+    interrupted. Submitit's handler raises instead when it will not requeue (the job timed out too often): the job is
+    recorded as interrupted with that reason, and the sweep goes on."""
+    log.warning("%s", err)
+    error = str(err)
+    try:
+        _requeue(cfg, err)
+    except Exception as refused:  # noqa: BLE001  (recorded with the job)
+        error = f"{err}; not requeued: {type(refused).__name__}: {refused}"
+        log.error("Not requeued: %s: %s", type(refused).__name__, refused)
+    _write_summary(
+        Path(HydraConfig.get().runtime.output_dir),
+        {"status": "interrupted", "error": error, "seconds": round(time.perf_counter() - start, 3)},
+    )
+    if err.signum in STOP_ONLY:  # Ctrl-C or scancel: the jobs after it do not start either
+        sweep.stop_in_sweep_process(cfg, err.signum)
+    return float("nan")
 
 
 def _submitit_requeue(err: SystemExit) -> bool:
@@ -394,17 +411,21 @@ def _submitit_requeue(err: SystemExit) -> bool:
     )
 
 
-def _failed_job(err: BaseException, start: float, started: bool) -> float:
-    """Record a job that failed (summary.json, the log) and give the sweep its NaN objective. A job refused before
-    it started, in a directory whose run has a summary already (the same sweep directory run again), leaves that
-    summary as it is and records the refusal beside it (sweep.REFUSED), newer, so the sweep reports it."""
-    message = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
-    if not isinstance(err, UserError):
-        log.error("Job failed:\n%s", "".join(traceback.format_exception(err)).rstrip())
+def _failed_job(err: BaseException, start: float, started: bool, status: str = "failed") -> float:
+    """Record a job that failed, or was `killed` by a signal it survived (summary.json, the log), and give the sweep
+    its NaN objective. A job refused before it started, in a directory whose run has a summary already (the same
+    sweep directory run again), leaves that summary as it is and records the refusal beside it (sweep.REFUSED),
+    newer, so the sweep reports it."""
+    if isinstance(err, KeyboardInterrupt):  # no message of its own: say what raises it
+        message = "KeyboardInterrupt: ended at once by SIGINT (Ctrl-C) or a second stop signal, without saving"
     else:
+        message = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
+    if isinstance(err, (UserError, KeyboardInterrupt)):
         log.error("Error: %s", message)
+    else:
+        log.error("Job failed:\n%s", "".join(traceback.format_exception(err)).rstrip())
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    record = {"status": "failed", "error": message, "seconds": round(time.perf_counter() - start, 3)}
+    record = {"status": status, "error": message, "seconds": round(time.perf_counter() - start, 3)}
     if not started and (run_dir / "summary.json").is_file():
         write_json(run_dir / sweep.REFUSED, {**record, "framework_version": __version__})
     else:

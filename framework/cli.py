@@ -11,8 +11,9 @@ as under `python -m`), and torchrun's non-zero ranks and `resume=` add their ove
 Hydra reports a bad override, an unknown option, a YAML syntax error or a run directory it cannot make in
 several lines of its own (or as a traceback) and exits. `run(main)` asks Hydra to raise them instead
 (HYDRA_FULL_ERROR=1, marked as forced so `framework.app` still reports our own `UserError`s in one line)
-and prints each as one `Error: ...` line, exit code 1. Anything raised by our own code is a bug and keeps
-its traceback. A user's own HYDRA_FULL_ERROR=1 leaves Hydra's reports and tracebacks untouched.
+and prints each as one `Error: ...` line, exit code 1. So does a sweep whose launcher raised once its jobs had
+started, after writing the summary of those that ran (`sweep.ended_by`). Anything else raised by our own code is a
+bug and keeps its traceback. A user's own HYDRA_FULL_ERROR=1 leaves Hydra's reports and tracebacks untouched.
 """
 
 from __future__ import annotations
@@ -149,8 +150,8 @@ def run(main: Callable[[], Any]) -> None:
     os.environ[FORCED_FULL_ERROR] = "1"
     try:
         main()
-    except Exception as err:  # noqa: BLE001  (re-raised unless it is a user's mistake Hydra found)
-        message = describe(err, sys.argv[1:], inspect.unwrap(main))
+    except Exception as err:  # noqa: BLE001  (re-raised unless it is a user's mistake Hydra found, or ends a sweep)
+        message = describe(err, sys.argv[1:], inspect.unwrap(main)) or sweep.ended_by(err)
         if message is None:
             raise
         sweep.discard_unused()

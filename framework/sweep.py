@@ -6,7 +6,10 @@ key, every metric any job recorded, status, seconds), prints the table best job 
 seeds when the sweep varies `seed` beside other keys), and exits non-zero if any job failed. A sweep over
 `data.fold` (k-fold cross-validation) adds, for each group of jobs that differ only in it, a row of every metric's
 mean ± std over the folds (`fold_rows`). Jobs never stop a sweep: the app records a failed job's error in its
-`summary.json` and returns (see app.py).
+`summary.json` and returns (see app.py); a job whose process dies is marked `killed` there by the launcher, which
+is the framework's subclass of the joblib or submitit plugin's (hydra_plugins/htf_launchers, framework/
+sweep_launchers.py); a job directory without a record is `unfinished`. A launcher that raises all the same still
+gets the summary, and one error line (`ended_by`, called by cli.run).
 
 `${sweep_subdir:}` (conf/config.yaml, `hydra.sweep.subdir`) names a job's directory after the keys the sweep
 varies only: `-m optimizer.lr=0.01,0.1 trainer.max_epochs=3` gives `0_optimizer.lr=0.01`, not every override.
@@ -36,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 from framework import signals, trackers
 from framework.config import check_closed_keys
+from framework.core import files
 from framework.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -76,6 +80,7 @@ DRY_RUN = "dry run"  # a job's status with trainer.dry_run=true: built and check
 # A job refused at start in a directory whose run has a summary.json (the sweep directory run again) records the
 # refusal here, and leaves the summary as it was; the newer of the two is the job's status.
 REFUSED = "refused.json"
+UNFINISHED = "unfinished"  # the status of a job directory without either record
 
 
 def _plain(value: Any) -> Any:
@@ -193,25 +198,32 @@ def _read_summary(path: Path) -> dict[str, Any]:
     return summary
 
 
+def record_path(job_dir: Path) -> Optional[Path]:
+    """The file that says how a job ended: its summary.json, or refused.json where that is newer; None if neither."""
+    summary, refused = job_dir / "summary.json", job_dir / REFUSED
+    if refused.is_file() and (not summary.is_file() or refused.stat().st_mtime_ns >= summary.stat().st_mtime_ns):
+        return refused
+    return summary if summary.is_file() else None
+
+
+def job_record(job_dir: Path) -> dict[str, Any]:
+    """How a job ended. A job without a record is `unfinished`: its process was killed with no launcher left to say
+    so (the sweep's own process, say), or it is still running."""
+    path = record_path(job_dir)
+    if path is None:
+        return {"status": UNFINISHED, "error": "no summary.json: the job was killed before it ended, or still runs"}
+    return _read_summary(path)
+
+
 def _read_jobs(sweep_dir: Path) -> list[tuple[Path, dict[str, str], dict[str, Any]]]:
     """Each job directory of the sweep in job order, with its overrides and its record."""
-    jobs = []
-    for job_dir in sorted(
-        (p for p in sweep_dir.iterdir() if (p / ".hydra").is_dir()),
-        key=lambda p: int(p.name.split("_", 1)[0]) if p.name.split("_", 1)[0].isdigit() else 0,
-    ):
-        summary_path, refused = job_dir / "summary.json", job_dir / REFUSED
-        if refused.is_file() and (
-            not summary_path.is_file() or refused.stat().st_mtime_ns >= summary_path.stat().st_mtime_ns
-        ):
-            summary_path = refused
-        summary = (
-            _read_summary(summary_path)
-            if summary_path.is_file()
-            else {"status": "failed", "error": "no summary.json (the job died before finishing)"}
+    return [
+        (job_dir, _job_overrides(job_dir), job_record(job_dir))
+        for job_dir in sorted(
+            (p for p in sweep_dir.iterdir() if (p / ".hydra").is_dir()),
+            key=lambda p: int(p.name.split("_", 1)[0]) if p.name.split("_", 1)[0].isdigit() else 0,
         )
-        jobs.append((job_dir, _job_overrides(job_dir), summary))
-    return jobs
+    ]
 
 
 def _swept_columns(overrides: list[dict[str, str]], declared: Collection[str]) -> list[str]:
@@ -274,7 +286,7 @@ def rank(rows: list[dict[str, Any]], metric: str, mode: str) -> list[dict[str, A
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     """Every row has every column (collect)."""
-    with open(path, "w", newline="") as f:
+    with files.replacing(path, text=True) as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
@@ -431,6 +443,21 @@ def stop_in_sweep_process(config: DictConfig, signum: int) -> None:
     sys.exit(128 + signum)
 
 
+def ended_by(err: Exception) -> Optional[str]:
+    """In the multirun's own process, between the start of its jobs and its summary: a launcher or sweeper that raised
+    (Hydra's joblib plugin when a worker dies, a job submitit could not start) ends the sweep with the summary of the
+    jobs that ran, and the one line to print; None anywhere else (the error is then not the sweep's to report)."""
+    config = _SWEEP.pop("config", None)
+    if config is None or _SWEEP.get("pid") != os.getpid():
+        return None
+    trackers.close_sweep(_SWEEP["dir"])
+    report(config, _SWEEP["dir"], _SWEEP.get("swept", ()))
+    summary = _SWEEP["dir"] / "summary.csv"
+    kept = f"the jobs it ran are in {summary}" if summary.is_file() else "no job had started"
+    first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    return f"the sweep stopped early ({type(err).__name__}: {first}); {kept}; HYDRA_FULL_ERROR=1 shows the traceback"
+
+
 def discard_unused() -> None:
     """A sweep refused before its first job ran (a mistake in a sweep override: Hydra finds it as it composes
     the job, after its sweeper saved multirun.yaml) leaves nothing: a sweep directory it made that holds only that
@@ -470,6 +497,19 @@ def report(config: DictConfig, sweep_dir: Optional[Path], declared: Collection[s
     return bool(failed)
 
 
+def _launch_outliving_jobs(config: DictConfig) -> None:
+    """Hydra's joblib and submitit plugins end a sweep when a job's process dies: the sweep launches through the
+    framework's subclass of the plugin's launcher its config chose, which outlives its jobs (hydra_plugins/
+    htf_launchers). Set before the sweeper is built, which builds the launcher; the sweep's multirun.yaml records it."""
+    from hydra_plugins.htf_launchers import OUTLIVING
+
+    launcher = config.hydra.launcher
+    ours = OUTLIVING.get(str(launcher.get("_target_")))
+    if ours is not None:
+        with read_write(launcher):
+            launcher._target_ = ours
+
+
 class SweepSummary(Callback):
     """At the end of a multirun: summary.csv, the table best job first, and a non-zero exit on failures."""
 
@@ -503,8 +543,11 @@ class SweepSummary(Callback):
         if fixed and not any(str(o).lstrip("+~").startswith("hydra.sweep.dir=") for o in hydra_overrides):
             with read_write(hydra_overrides):
                 hydra_overrides.append(fixed)
+        _launch_outliving_jobs(config)
+        _SWEEP["config"] = config  # from here until on_multirun_end, a launcher that raises gets a summary (ended_by)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        _SWEEP.pop("config", None)
         if self.sweep_dir is not None:
             trackers.close_sweep(self.sweep_dir)
         if report(config, self.sweep_dir, _SWEEP.get("swept", ())):

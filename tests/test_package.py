@@ -119,7 +119,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    for name in ("framework", "conf"):
+    for name in ("framework", "conf", "hydra_plugins"):
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     built = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
                  "-w", str(work / "dist"), str(source)], cwd=work)
@@ -160,7 +160,8 @@ def trained(installed: SimpleNamespace, lab: Path) -> Path:
 
 def test_the_wheel_holds_the_framework_and_its_config_tree_but_not_this_repositorys_examples(installed):
     names = set(zipfile.ZipFile(installed.wheel).namelist())
-    code = {p.relative_to(ROOT).as_posix() for p in (ROOT / "framework").rglob("*.py") if "__pycache__" not in p.parts}
+    code = {p.relative_to(ROOT).as_posix() for folder in ("framework", "hydra_plugins")
+            for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts}
     configs = {f"framework/conf/{p.relative_to(ROOT / 'conf').as_posix()}" for p in (ROOT / "conf").rglob("*.yaml")}
     assert code <= names, f"missing from the wheel (pyproject.toml lists the packages): {sorted(code - names)}"
     assert {n for n in names if n.endswith(".yaml")} == configs - {f"framework/conf/{e}" for e in EXAMPLES}

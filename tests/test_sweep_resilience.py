@@ -1,0 +1,199 @@
+"""Sweeps outlive their jobs: a job whose process is killed, under Hydra's basic, joblib or submitit launcher, is a
+row of summary.csv marked `killed`, the jobs beside it keep their rows, the jobs not yet started still run, and the
+sweep ends with its summary and a non-zero exit, without a traceback."""
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import ROOT, TESTS, on_pythonpath, output, run_process
+from framework.metric_logger import TaskHandle
+from framework.task import ClassificationTask, StepOutput
+
+pytestmark = pytest.mark.e2e
+
+QUICK = ("logger.progress_bar=false", "trainer.max_epochs=1", "trainer.limit_train_batches=3",
+         "checkpoint=none", "trainer.test=false")
+WAIT_S = 120  # the bound of every wait of a job for another
+
+
+def _wait_for(ready, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {WAIT_S} s for {what}")
+        time.sleep(0.05)
+
+
+class SweepPartTask(ClassificationTask):
+    """At its first training step, a sweep's job plays the part $SWEEP_PARTS gives its job number (`1=SIGKILL,2=hold`):
+    a signal's name: once every job numbered below it has finished (its summary.json) and every `hold` job holds,
+    it sends that signal to its own process; `hold`: notes that it holds, then waits (bounded) for what never comes,
+    so that it is still running when another job's process dies; `slow`: each of its steps also waits 20 ms, a job
+    that lasts until a time limit stops it, on any machine, without using the CPU. A job with no part trains."""
+
+    played = ""  # the part, once played
+
+    def training_step(self, batch: Any) -> StepOutput:
+        if isinstance(self.trainer, TaskHandle) and not self.played:  # not pre-flight's throw-away copy
+            self.played = _play()
+        if self.played == "slow":
+            time.sleep(0.02)
+        return super().training_step(batch)
+
+
+def _play() -> str:
+    """This job's part, played once."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra = HydraConfig.get()
+    parts = dict(item.split("=") for item in os.environ["SWEEP_PARTS"].split(","))
+    part, meeting = parts.get(str(hydra.job.num), "train"), Path(os.environ["MEETING_DIR"])
+    if part == "hold":
+        (meeting / f"holds-{hydra.job.num}").touch()
+        _wait_for(lambda: False, "the end of this job (a job held to be running when another one dies)")
+    elif part in signal.Signals.__members__:
+        sweep_dir = Path(hydra.sweep.dir)
+        holders = [num for num, p in parts.items() if p == "hold"]
+        _wait_for(lambda: all(list(sweep_dir.glob(f"{num}_*/summary.json")) for num in range(hydra.job.num)),
+                  "the jobs before this one to finish")
+        _wait_for(lambda: all((meeting / f"holds-{num}").exists() for num in holders), "the held jobs to start")
+        os.kill(os.getpid(), signal.Signals[part])
+    return part
+
+
+def sweep(tmp_path: Path, *overrides: str, parts: str, pythonpath: Path = TESTS, timeout: float = 300):
+    """`run.py -m` of the QUICK overrides and `overrides`, each job playing its part (SweepPartTask)."""
+    sweep_dir = tmp_path / "sweep"
+    (tmp_path / "meeting").mkdir()
+    args = [sys.executable, str(ROOT / "run.py"), "-m", f"hydra.sweep.dir={sweep_dir}", *QUICK,
+            "task._target_=test_sweep_resilience.SweepPartTask", *overrides]
+    env = {"PYTHONPATH": on_pythonpath(pythonpath, TESTS), "SWEEP_PARTS": parts,
+           "MEETING_DIR": str(tmp_path / "meeting")}
+    return run_process(args, env=env, timeout=timeout), sweep_dir
+
+
+def rows(sweep_dir: Path) -> dict[str, dict[str, str]]:
+    """summary.csv's rows by their `job` cell."""
+    with open(sweep_dir / "summary.csv") as f:
+        return {row["job"]: row for row in csv.DictReader(f)}
+
+
+def statuses(sweep_dir: Path) -> dict[str, str]:
+    return {job: row["status"] for job, row in rows(sweep_dir).items()}
+
+
+@pytest.mark.slow
+def test_a_joblib_worker_killed_mid_sweep_costs_the_jobs_it_ran_beside_and_the_rest_still_run(tmp_path):
+    """A SIGKILLed loky worker raised TerminatedWorkerError through the CLI: a traceback, exit 1, no summary.csv, and
+    the other jobs' results lost. Job 1 dies once job 0 has finished and job 2 runs beside it (joblib ends every
+    running job when a worker dies); job 3 has not started then and must still run."""
+    proc, sweep_dir = sweep(tmp_path, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "data.folds=4",
+                            "data.fold=0,1,2,3", parts="1=SIGKILL,2=hold")
+    text = output(proc)
+    assert proc.returncode == 1 and "Traceback" not in text, text
+    table = rows(sweep_dir)
+    assert statuses(sweep_dir) == {"0_data.fold=0": "ok", "1_data.fold=1": "killed", "2_data.fold=2": "killed",
+                                   "3_data.fold=3": "ok", "mean ± std over folds": "incomplete"}, text
+    assert all("SIGKILL" in table[job]["error"] for job in ("1_data.fold=1", "2_data.fold=2")), table
+    assert table["mean ± std over folds"]["error"] == "fold 1 killed, fold 2 killed"
+    assert table["3_data.fold=3"]["val/acc"] and table["0_data.fold=0"]["val/acc"]
+    assert "Sweep summary (4 jobs" in proc.stdout and "killed" in proc.stdout
+
+
+RAW_LAUNCHER = """
+from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher
+
+
+class RawJoblibLauncher(JoblibLauncher):
+    \"\"\"Hydra's joblib launcher as it is: its launch raises when a worker dies.\"\"\"
+"""
+
+
+@pytest.mark.slow
+def test_a_launcher_that_raises_still_leaves_the_summary_and_one_error_line(tmp_path):
+    """A launcher the framework does not extend (a user's own; here Hydra's joblib launcher as it is, which raises
+    when a worker dies) ended the sweep in a traceback without summary.csv. The jobs that ran keep their rows; the
+    jobs running when the launcher gave up are rows too, unfinished."""
+    plugin = tmp_path / "plugins" / "hydra_plugins" / "raw_joblib"  # Hydra takes launchers of this namespace only
+    plugin.mkdir(parents=True)
+    (plugin / "__init__.py").write_text(RAW_LAUNCHER)
+    proc, sweep_dir = sweep(tmp_path, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+                            "hydra.launcher._target_=hydra_plugins.raw_joblib.RawJoblibLauncher",
+                            "optimizer.lr=0.05,0.1,0.2", parts="1=SIGKILL,2=hold", pythonpath=tmp_path / "plugins")
+    text = output(proc)
+    assert proc.returncode == 1 and "Traceback" not in text, text
+    errors = [line for line in text.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and errors[0].startswith("Error: the sweep stopped early (TerminatedWorkerError: "), text
+    assert str(sweep_dir / "summary.csv") in errors[0], text
+    assert statuses(sweep_dir) == {"0_optimizer.lr=0.05": "ok", "1_optimizer.lr=0.1": "unfinished",
+                                   "2_optimizer.lr=0.2": "unfinished"}, text
+
+
+@pytest.mark.slow
+def test_a_submitit_job_killed_mid_sweep_is_marked_and_the_parent_collects_the_others(tmp_path):
+    """Hydra's submitit launcher waited on its jobs in order and raised at the first that produced no result: a
+    traceback, no summary.csv, and the jobs after it never collected. Job 1 is SIGKILLed once job 0 finished; job 2
+    runs beside it."""
+    proc, sweep_dir = sweep(tmp_path, "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5",
+                            "optimizer.lr=0.05,0.1,0.2", parts="1=SIGKILL")
+    text = output(proc)
+    assert proc.returncode == 1 and "Traceback" not in text, text
+    table = rows(sweep_dir)
+    assert statuses(sweep_dir) == {"0_optimizer.lr=0.05": "ok", "1_optimizer.lr=0.1": "killed",
+                                   "2_optimizer.lr=0.2": "ok"}, text
+    assert "has not produced any output" in table["1_optimizer.lr=0.1"]["error"], table
+
+
+@pytest.mark.slow
+def test_a_submitit_job_whose_time_limit_ends_it_for_good_is_recorded_and_the_others_are_collected(tmp_path):
+    """submitit's handler raises instead of requeueing a job that timed out too often (here at its first time limit,
+    max_num_timeout=0): the job's exception reached the sweeper, which raised it through the CLI, a traceback. The
+    job saved checkpoints/last and is `interrupted`, saying why it was not requeued; the other job's row is kept."""
+    proc, sweep_dir = sweep(tmp_path, "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=1",
+                            "+hydra.launcher.max_num_timeout=0", "checkpoint=default", "callbacks=none",
+                            "trainer.max_epochs=-1", "trainer.max_steps=3,100000", parts="1=slow")
+    text = output(proc)
+    assert proc.returncode == 1 and "Traceback" not in text, text
+    table = rows(sweep_dir)
+    assert statuses(sweep_dir) == {"0_trainer.max_steps=3": "ok", "1_trainer.max_steps=100000": "interrupted"}, text
+    assert "not requeued: UncompletedJobError: Job not requeued because: timed-out too many times" in \
+        table["1_trainer.max_steps=100000"]["error"], table
+    assert (sweep_dir / "1_trainer.max_steps=100000" / "checkpoints" / "last").is_dir()
+
+
+def test_ctrl_c_that_ends_a_job_of_the_basic_launcher_is_its_row_and_stops_the_sweep_with_its_summary(tmp_path):
+    """Hydra's basic launcher runs the jobs in the sweep's own process. A KeyboardInterrupt in a job (Ctrl-C with
+    checkpoint.on_signal=false, or a second stop signal) went past the job's records: "Interrupted.", exit 130, no
+    summary.csv. It is the job's row, `killed`, and the sweep stops as on a first Ctrl-C, with its summary."""
+    # A suite started by a shell without job control ignores SIGINT, and so would the sweep: this is about Ctrl-C.
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (conftest restores this worker's handler after)
+    proc, sweep_dir = sweep(tmp_path, "checkpoint.on_signal=false", "optimizer.lr=0.05,0.1,0.2", parts="1=SIGINT")
+    text = output(proc)
+    assert proc.returncode == 130 and "Traceback" not in text, text
+    assert statuses(sweep_dir) == {"0_optimizer.lr=0.05": "ok", "1_optimizer.lr=0.1": "killed"}, text
+    assert "KeyboardInterrupt" in rows(sweep_dir)["1_optimizer.lr=0.1"]["error"]
+    assert f"Sweep stopped by SIGINT: the same command with hydra.sweep.dir={sweep_dir}" in text
+
+
+@pytest.mark.unit
+def test_every_launcher_of_hydras_joblib_and_submitit_plugins_has_the_frameworks_that_outlives_its_jobs():
+    """A sweep launches through the framework's subclass of the plugin launcher its config names (SweepSummary): each
+    launcher the plugins register must have one, which runs the plugin's own launch."""
+    from hydra.utils import get_class
+    from hydra_plugins.hydra_joblib_launcher.config import JobLibLauncherConf
+    from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
+
+    from hydra_plugins.htf_launchers import OUTLIVING
+
+    assert set(OUTLIVING) == {conf._target_ for conf in (JobLibLauncherConf, LocalQueueConf, SlurmQueueConf)}
+    for plugins, ours in OUTLIVING.items():
+        assert ours.startswith("hydra_plugins.htf_launchers.")  # Hydra instantiates launchers of this namespace only
+        assert get_class(ours).__bases__ == (get_class(plugins),) and "launch" in vars(get_class(ours))
