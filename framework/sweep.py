@@ -293,9 +293,10 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def _fmt(value: Any) -> str:
+    """A cell as summary.csv has it: a number to 4 decimals, no value (a null in summary.json) empty."""
     if isinstance(value, float):
         return f"{value:.4f}"
-    return str(value)
+    return "" if value is None else str(value)
 
 
 def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:

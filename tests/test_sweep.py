@@ -334,6 +334,23 @@ def test_a_damaged_job_record_is_a_failed_row_not_a_lost_summary(tmp_path, capsy
 
 
 @pytest.mark.unit
+def test_a_null_in_a_jobs_summary_is_an_empty_cell_in_the_table_and_the_csv(tmp_path, capsys):
+    """lr_find with no suggestion records `"suggested_lr": null`: no value, shown as none, never as "None"."""
+    from omegaconf import OmegaConf
+
+    from framework.sweep import report
+
+    for i, value in enumerate(("null", "0.01")):
+        (tmp_path / f"{i}_lr=0.{i}" / ".hydra").mkdir(parents=True)
+        (tmp_path / f"{i}_lr=0.{i}" / "summary.json").write_text(f'{{"status": "ok", "lr/suggested": {value}}}')
+        (tmp_path / f"{i}_lr=0.{i}" / ".hydra" / "overrides.yaml").write_text(f"- lr=0.{i}\n")
+    report(OmegaConf.create({"checkpoint": {"monitor": "lr/suggested", "mode": "min"}}), tmp_path)
+    printed = capsys.readouterr().out
+    assert "None" not in printed and "0.0100" in printed
+    assert sorted(r["lr/suggested"] for r in rows(tmp_path)) == ["", "0.01"]
+
+
+@pytest.mark.unit
 def test_a_metric_only_some_jobs_recorded_is_a_column_with_empty_cells_for_the_others(tmp_path, capsys):
     """A metric is any number in summary.json but the run's own fields (step, epoch, seconds...), whatever its name
     (a ported LightningModule logs `val_acc`); the objective leads, the rest follow by group."""
