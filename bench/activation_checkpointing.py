@@ -4,7 +4,7 @@ and with `parallel.activation_checkpointing=full` (or selective of the transform
     python bench/activation_checkpointing.py [--steps 20] [--threads 1] [--batch 16]
 
 The model and batch are experiment=lm's (TransformerLM, 4 layers of width 128, windows of 64 bytes, batch 16,
-AdamW), built from the composed config, checkpointed by framework/activation_checkpointing.py as a run would.
+AdamW), built from the composed config, checkpointed by framework/parallel/activation_checkpointing.py as a run would.
 Memory: bytes in use by the process's allocator (glibc's mallinfo2: heap and mmap'd blocks; torch's CPU
 allocator is malloc, with no cache), sampled before the forward and at every module's forward (which also runs
 during backward's recompute) and after the loss: the peak over the step minus the bytes before it is the step's
@@ -51,8 +51,8 @@ def in_use() -> int:
 
 
 def build(mode: str, compose: Callable[..., Any]) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from framework import activation_checkpointing
-    from framework.instantiate import build as instantiate
+    from framework.parallel import activation_checkpointing
+    from framework.config.instantiate import build as instantiate
 
     overrides = [f"parallel.activation_checkpointing={mode}"]
     if mode == "selective":

@@ -127,7 +127,7 @@ def training_cost(reps: int, steps: int, durable: bool, background: bool, quiet_
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
     batches = [(torch.rand(64, 3, 32, 32), torch.randint(0, 10, (64,))) for _ in range(steps)]
 
-    class Snapshot:  # what framework.state.TrainingState.collect gives, for this model and optimizer
+    class Snapshot:  # what framework.checkpoint.state.TrainingState.collect gives, for this model and optimizer
         def collect(self) -> tuple[dict, dict, dict]:
             return model.state_dict(), {"optimizer": optimizer.state_dict()}, {"step": 0, "config": {}}
 

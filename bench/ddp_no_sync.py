@@ -62,8 +62,8 @@ def _worker(rank: int, configs: dict[int, Any], fits: list[tuple[str, int, Optio
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE),
                       LOCAL_WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)
-    from framework.parallel import DDPStrategy, Strategy
-    from framework.trainer import Trainer
+    from framework.parallel.strategy import DDPStrategy, Strategy
+    from framework.loop.trainer import Trainer
 
     framework_no_sync = DDPStrategy.no_sync
     seconds: list[float] = []
@@ -88,7 +88,7 @@ def measure(args: argparse.Namespace) -> Timings:
     import torch.multiprocessing as mp
     from omegaconf import OmegaConf
 
-    from framework.launch import free_port
+    from framework.app.launch import free_port
 
     extra = ("parallel=ddp", f"parallel.devices={WORLD_SIZE}", f"trainer.accumulate_grad_batches={args.accumulate}",
              f"data.batch_size={args.batch_size}", f"model.hidden=[{args.hidden}]", "callbacks=none")

@@ -8,7 +8,7 @@
 
 init: TransformerLM at width 1024, 16 layers (202 M parameters, 771 MiB in fp32) built, sharded with
 `FSDPStrategy.wrap` and initialised in 2 spawned processes, whole on each rank (parallel.meta_init=false) or on the
-meta device with each rank materialising its own shards (framework/meta_init.py); then one step (batch of 1
+meta device with each rank materialising its own shards (framework/parallel/meta_init.py); then one step (batch of 1
 window, AdamW). Each rank's peak resident memory (VmHWM, reset through /proc/self/clear_refs just before the build)
 above its resident memory then, up to the first step and through it, after the same run on a tiny model (so that
 the library code it runs is already resident); the shards' sums show the weights equal.
@@ -87,7 +87,7 @@ def _memory_worker(rank: int, strategy_name: str, port: int, warmup: int, steps:
     from omegaconf import OmegaConf
 
     from experiments.lm import TransformerLM
-    from framework.parallel import DDPStrategy, FSDPStrategy
+    from framework.parallel.strategy import DDPStrategy, FSDPStrategy
 
     cfg = OmegaConf.create({"find_unused_parameters": False, "static_graph": False, "backend": None, "timeout_s": 600,
                             "shard_modules": ["torch.nn.TransformerEncoderLayer"], "reshard_after_forward": True,
@@ -139,7 +139,7 @@ def _init_worker(rank: int, meta: bool, port: int, out: str) -> None:
     _environ(rank, port)
     from omegaconf import OmegaConf
 
-    from framework.parallel import FSDPStrategy
+    from framework.parallel.strategy import FSDPStrategy
 
     cfg = OmegaConf.create({"find_unused_parameters": False, "static_graph": False, "backend": None, "timeout_s": 600,
                             "shard_modules": ["torch.nn.TransformerEncoderLayer"], "reshard_after_forward": True,
@@ -161,7 +161,7 @@ def _build_and_step(strategy: Any, size: dict[str, int], meta: bool, rank: int, 
     from omegaconf import OmegaConf
 
     from experiments.lm import TransformerLM
-    from framework import meta_init
+    from framework.parallel import meta_init
 
     start = time.perf_counter()
     torch.manual_seed(0)
@@ -201,7 +201,7 @@ def _save_worker(rank: int, port: int, saves: int, folder: str, out: str) -> Non
 
     from experiments.lm import TransformerLM
     from framework.checkpoint import CheckpointManager
-    from framework.parallel import FSDPStrategy
+    from framework.parallel.strategy import FSDPStrategy
 
     cfg = OmegaConf.create({"find_unused_parameters": False, "static_graph": False, "backend": None, "timeout_s": 600,
                             "shard_modules": ["torch.nn.TransformerEncoderLayer"], "reshard_after_forward": True,
@@ -240,7 +240,7 @@ def _save_worker(rank: int, port: int, saves: int, folder: str, out: str) -> Non
 def measure_save(saves: int) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
 
-    from framework.launch import free_port
+    from framework.app.launch import free_port
 
     with tempfile.TemporaryDirectory(prefix="bench-fsdp-save-") as folder, \
             tempfile.NamedTemporaryFile(suffix=".json") as out:
@@ -267,7 +267,7 @@ def report_save(reports: list[dict[str, Any]]) -> None:
 def measure_init() -> dict[str, list[dict[str, Any]]]:
     import torch.multiprocessing as mp
 
-    from framework.launch import free_port
+    from framework.app.launch import free_port
 
     results = {}
     for name, meta in (("whole", False), ("meta", True)):
@@ -299,7 +299,7 @@ def report_init(results: dict[str, list[dict[str, Any]]]) -> None:
 def measure_memory(warmup: int, steps: int, batch: int) -> dict[str, list[dict[str, Any]]]:
     import torch.multiprocessing as mp
 
-    from framework.launch import free_port
+    from framework.app.launch import free_port
 
     results = {}
     for name in ("ddp", "fsdp"):
@@ -339,25 +339,25 @@ def compose_lm(*overrides: str) -> Any:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
-    import framework.app
-    import framework.config
+    import framework.app.main
+    import framework.config.schema
 
-    framework.config.register()
+    framework.config.schema.register()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["experiment=lm", "logger.progress_bar=false",
                                                          "checkpoint=none", *overrides], return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)
     with open_dict(cfg):
         del cfg["hydra"]
-    framework.app.resolve_all(cfg)
-    framework.config.validate(cfg)
+    framework.app.main.resolve_all(cfg)
+    framework.config.schema.validate(cfg)
     OmegaConf.resolve(cfg)
     return cfg
 
 
 def _curve_worker(rank: int, cfg: Any, port: int, run_dir: str) -> None:
     _environ(rank, port)
-    from framework.trainer import Trainer
+    from framework.loop.trainer import Trainer
 
     Trainer(cfg, Path(run_dir)).fit()
 
@@ -373,8 +373,8 @@ def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 def measure_curves(steps: int) -> dict[str, dict[str, list[tuple[int, float]]]]:
     import torch.multiprocessing as mp
 
-    from framework.launch import free_port
-    from framework.trainer import Trainer
+    from framework.app.launch import free_port
+    from framework.loop.trainer import Trainer
 
     common = (f"trainer.max_steps={steps}", "trainer.log_every_n_steps=10", "trainer.val_every_n_steps=20",
               "trainer.limit_val_batches=1.0", "trainer.device=cpu")

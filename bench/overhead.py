@@ -56,11 +56,11 @@ def compose_bench(max_steps: int, device: str, extra: tuple[str, ...] = ()) -> A
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    import framework.app  # noqa: F401  (the resolvers conf/config.yaml uses)
-    import framework.config
+    import framework.app.main  # noqa: F401  (the resolvers conf/config.yaml uses)
+    import framework.config.schema
 
-    framework.config.register()  # the schemas conf/ is composed against
-    from framework import config as framework_config
+    framework.config.schema.register()  # the schemas conf/ is composed against
+    from framework.config import schema as framework_config
 
     overrides = ["experiment=bench", f"trainer.max_steps={max_steps}", f"trainer.device={device}", *extra]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -68,7 +68,7 @@ def compose_bench(max_steps: int, device: str, extra: tuple[str, ...] = ()) -> A
     HydraConfig.instance().set_config(cfg)  # as Hydra does for a job, so `${hydra:...}` resolves
     with open_dict(cfg):
         del cfg["hydra"]
-    framework.app.resolve_all(cfg)
+    framework.app.main.resolve_all(cfg)
     framework_config.validate(cfg)
     return cfg
 
@@ -76,7 +76,7 @@ def compose_bench(max_steps: int, device: str, extra: tuple[str, ...] = ()) -> A
 def framework_runner(device: str, lengths: tuple[int, ...],
                      hidden: tuple[int, ...] = handwritten.HIDDEN) -> Callable[[int, str], None]:
     """Runs `Trainer(cfg).fit()`; the configs of every length are composed here, outside the timed runs."""
-    from framework.trainer import Trainer
+    from framework.loop.trainer import Trainer
 
     extra = () if hidden == handwritten.HIDDEN else (f"model.hidden=[{','.join(map(str, hidden))}]",)
     configs = {n: compose_bench(n, device, extra) for n in lengths}

@@ -15,7 +15,7 @@ predict.dataset, ...}`), so building it is no contender's cost.
 
 Contenders, all in this one process, on the same weights (the checkpoint's), batch 128, fp32, in dataset order;
 every one computes per sample the class (argmax, int64) and the softmax probabilities (float32, 10 per sample):
-- framework    `framework.trainer.train(cfg, run_dir, checkpoint)` on the config `python run.py predict
+- framework    `framework.loop.trainer.train(cfg, run_dir, checkpoint)` on the config `python run.py predict
                ckpt=RUN_DIR +data.predict=...` settles to (composed from `experiment=bench`, the saved run's own
                experiment, with `stages.evaluation_only` applied as app.py does): the whole stage, from building
                the run to `predictions.parquet` merged (snappy, fsync'd) and summary.json written;
@@ -82,8 +82,8 @@ def dataset(num_samples: int) -> torch.utils.data.TensorDataset:
 def train_checkpoint(run_dir: Path, steps: int) -> Any:
     """`python run.py experiment=bench trainer.max_steps=STEPS checkpoint.save_last=true`, in this process; its
     checkpoint as `ckpt=RUN_DIR` finds it."""
-    from framework.stages import find_checkpoint
-    from framework.trainer import train
+    from framework.stages.evaluate import find_checkpoint
+    from framework.loop.trainer import train
 
     cfg = overhead.compose_bench(steps, "cpu", ("checkpoint.save_last=true",))
     with contextlib.redirect_stdout(io.StringIO()):
@@ -95,7 +95,7 @@ def checkpoint_model(checkpoint: Any) -> torch.nn.Module:
     """The model the run trained, as a user predicting with their own loop has it: `framework.zoo.models.MLP`
     (128-256-256-10, its Flatten included), built as `experiment=bench` builds it, with the checkpoint's
     evaluated weights. Every contender runs this same module, so the ratios measure loops and writers."""
-    from framework.export import eval_weights
+    from framework.stages.export import eval_weights
     from framework.zoo.models import MLP
 
     weights, _ = eval_weights(checkpoint)
@@ -113,8 +113,10 @@ def outputs(scores: torch.Tensor) -> dict[str, torch.Tensor]:
 def framework_runner(run_dir: Path, checkpoint: Any, sizes: tuple[int, ...]) -> Callable[[int, Path], None]:
     """The predict stage as `python run.py predict ckpt=RUN_DIR +data.predict=...` runs it once app.py has
     settled its config (composed here, outside the timed runs)."""
-    from framework import app, config, stages
-    from framework.trainer import train
+    from framework.app import main as app
+    from framework.config import schema as config
+    from framework.stages import evaluate as stages
+    from framework.loop.trainer import train
 
     configs = {}
     for n in sizes:

@@ -9,7 +9,7 @@ samples are written once, in storage order, as WebDataset shards in a temporary 
 samples, each `KEY.npy` (128 float32) and `KEY.cls`. Contenders, each for a short and a long run, the cost per
 step being (t_long - t_short) / (long - short) (start-up cancels), alternating within each repetition:
 
-- stream       the framework, `experiment=bench` with `data.train` the shards (framework.shards.TarShards),
+- stream       the framework, `experiment=bench` with `data.train` the shards (framework.data.shards.TarShards),
                data.num_workers=2 (persistent), shuffle_buffer 1000: the planned order, resumable at any batch;
 - map          the framework, `experiment=bench` as it is: the in-memory tensors (the map-style fast path);
 - hand         a tar loop as users write it: an IterableDataset giving each of 2 DataLoader workers every other
@@ -72,14 +72,14 @@ def framework_runner(lengths: tuple[int, ...], pattern: Optional[str]) -> Callab
     """`Trainer(cfg).fit()` on experiment=bench; with `pattern`, its training split streamed from the shards."""
     from omegaconf import open_dict
 
-    from framework.trainer import Trainer
+    from framework.loop.trainer import Trainer
 
     configs = {}
     for n in lengths:
         cfg = compose_bench(n, "cpu")
         if pattern is not None:
             with open_dict(cfg):
-                cfg.data.train = {"_target_": "framework.shards.tar_shards", "shards": pattern}
+                cfg.data.train = {"_target_": "framework.data.shards.tar_shards", "shards": pattern}
                 cfg.data.num_workers, cfg.data.persistent_workers, cfg.data.prefetch_factor = WORKERS, True, 2
                 cfg.data.shuffle_buffer = BUFFER
         configs[n] = cfg
@@ -92,7 +92,7 @@ def framework_runner(lengths: tuple[int, ...], pattern: Optional[str]) -> Callab
             with contextlib.redirect_stdout(io.StringIO()):
                 summary = trainer.fit()
         finally:
-            trainer.data.close()  # its persistent workers, as framework.trainer.train does
+            trainer.data.close()  # its persistent workers, as framework.loop.trainer.train does
         assert summary["step"] == max_steps, summary
         return summary
 
@@ -131,7 +131,7 @@ class TarStream(IterableDataset):
 
 
 def hand_loop(pattern: str) -> Callable[[int, str], dict[str, Any]]:
-    from framework.streaming import expand_braces
+    from framework.data.streaming import expand_braces
 
     paths = expand_braces(pattern)
 

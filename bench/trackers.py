@@ -57,7 +57,7 @@ def replay(metrics_csv: Path, tmp: Path, store: str, epochs: int) -> tuple[float
 
     from omegaconf import OmegaConf
 
-    from framework.trackers import Trackers
+    from framework.observe.trackers import Trackers
 
     by_step: dict[int, dict[str, float]] = {}
     with open(metrics_csv, newline="") as f:

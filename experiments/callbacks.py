@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from framework.callbacks import Callback
-from framework.loggers import write_json
+from framework.callbacks.base import Callback
+from framework.observe.tensorboard import write_json
 
 
 class MetricHistory(Callback):

@@ -13,7 +13,7 @@ import torch
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification.accuracy import Accuracy
 
-from framework.task import Task
+from framework.task.task import Task
 
 
 class MNISTLitModule(Task):

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from framework.task import StepOutput, Task
+from framework.task.task import StepOutput, Task
 
 VOCAB_SIZE = 256  # bytes
 
@@ -82,7 +82,7 @@ class TransformerLM(nn.Module):
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(block_size), persistent=False)
-        # What `python -m framework.export` traces and verifies the model on (Lightning's name): token ids.
+        # What `python -m framework export` traces and verifies the model on (Lightning's name): token ids.
         self.example_input_array = torch.randint(vocab_size, (2, block_size),
                                                  generator=torch.Generator().manual_seed(0))
 

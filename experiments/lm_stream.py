@@ -2,7 +2,7 @@
 
 `stdlib_token_shards` writes the standard library's source (the same bytes and train/val cut as `StdlibText`) as
 WebDataset shards of `.bin` members in the user's cache (or `root`) the first time, then reads them as a
-`framework.shards.TokenShards`: a streaming split (framework/streaming.py), every window once per epoch, resumable
+`framework.data.shards.TokenShards`: a streaming split (framework/data/streaming.py), every window once per epoch, resumable
 at any batch. Nothing is downloaded.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Optional
 
 from experiments.lm import stdlib_bytes
 from framework.core import files
-from framework.shards import TokenShards
+from framework.data.shards import TokenShards
 from framework.zoo.shards import cache_dir, write_tar
 
 

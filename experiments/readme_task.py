@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.task import Task
+from framework.task.task import Task
 
 
 class SmallCNN(nn.Module):

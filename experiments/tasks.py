@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torchvision.utils import make_grid
 
-from framework.task import ClassificationTask, Metric, StepOutput
+from framework.task.task import ClassificationTask, Metric, StepOutput
 
 
 class LogitPenaltyTask(ClassificationTask):

@@ -1,6 +1,6 @@
-"""`python -m framework`: the `htf` command (framework/cli.py), where its script is not on PATH."""
+"""`python -m framework`: the `htf` command (framework/app/cli.py), where its script is not on PATH."""
 
-from framework.cli import main
+from framework.app.cli import main
 
 if __name__ == "__main__":
     main()

@@ -124,10 +124,10 @@ def compose() -> Iterator:
     """compose(*overrides) -> the composed DictConfig, exactly as run.py would get it (Hydra's compose API)."""
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    import framework.app  # noqa: F401  (the resolvers conf/config.yaml uses)
-    import framework.config
+    import framework.app.main  # noqa: F401  (the resolvers conf/config.yaml uses)
+    import framework.config.schema
 
-    framework.config.register()  # the schemas conf/ is composed against
+    framework.config.schema.register()  # the schemas conf/ is composed against
 
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
@@ -200,7 +200,7 @@ def saved_config(run_dir: Path) -> dict:
 
 def fingerprint(run_dir: Path) -> dict[str, str]:
     """Every file of a run (but its appended log and its lock) and its content hash."""
-    from framework.rundir import LOCK_FILE
+    from framework.app.rundir import LOCK_FILE
 
     return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name not in ("run.log", LOCK_FILE)}
@@ -218,7 +218,7 @@ def tiny_data(train: int = 12, val: int = 10, test: int = 10):
     import torch
     from torch.utils.data import TensorDataset
 
-    from framework.data import DataModule
+    from framework.data.module import DataModule
 
     def split(n: int, offset: float) -> TensorDataset:
         inputs = torch.arange(n, dtype=torch.float32).unsqueeze(1) + offset
@@ -234,14 +234,14 @@ def evaluator_for(task, data, *, run_dir: Path | None = None, overfit: int = 0, 
     without one), the handle its self.log goes through, and the Evaluator validation and test share."""
     import torch
 
-    from framework.evaluate import Evaluator
-    from framework.loggers import TensorBoardLogger
-    from framework.metric_logger import MetricLogger, TaskHandle
-    from framework.parallel import Strategy
-    from framework.precision import Precision
-    from framework.state import Progress
-    from framework.stop import Stop
-    from framework.task import step_function
+    from framework.loop.evaluate import Evaluator
+    from framework.observe.tensorboard import TensorBoardLogger
+    from framework.observe.metric_logger import MetricLogger, TaskHandle
+    from framework.parallel.strategy import Strategy
+    from framework.parallel.precision import Precision
+    from framework.checkpoint.state import Progress
+    from framework.loop.stop import Stop
+    from framework.task.task import step_function
 
     cpu, strategy = torch.device("cpu"), Strategy(torch.device("cpu"))
     tensorboard = TensorBoardLogger(run_dir or Path("unused"), enabled=run_dir is not None)

@@ -13,10 +13,10 @@ from torch import nn
 
 from conftest import RANK_PARALLEL, join_test_ranks
 from experiments.lm import TransformerLM
-from framework import activation_checkpointing
-from framework.config import validate
-from framework.errors import ConfigError
-from framework.launch import free_port
+from framework.parallel import activation_checkpointing
+from framework.config.schema import validate
+from framework.core.errors import ConfigError
+from framework.app.launch import free_port
 
 pytestmark = pytest.mark.unit
 
@@ -96,7 +96,7 @@ def test_a_wrong_setting_is_one_line(compose, overrides, message):
 def _rank(rank: int, port: int, out: str) -> None:
     """Gradients of the whole model under ddp and fsdp, with and without full checkpointing."""
     join_test_ranks(rank, port)
-    from framework.parallel import DDPStrategy, FSDPStrategy
+    from framework.parallel.strategy import DDPStrategy, FSDPStrategy
 
     cfg = OmegaConf.create(RANK_PARALLEL)
     tokens = torch.randint(0, 256, (2, SMALL["block_size"] + 1), generator=torch.Generator().manual_seed(rank))
@@ -134,7 +134,7 @@ def test_ddp_and_fsdp_give_the_same_gradients_with_full_checkpointing(tmp_path: 
 
 @pytest.mark.parametrize("key", ["parallel.activation_checkpointing_modules", "parallel.shard_modules"])
 def test_classes_the_model_does_not_use_are_one_line_naming_the_key_and_the_classes_it_does_use(key):
-    from framework.parallel import module_classes, shard_units
+    from framework.parallel.strategy import module_classes, shard_units
 
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     with pytest.raises(ConfigError) as refused:

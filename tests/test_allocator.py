@@ -1,4 +1,4 @@
-"""framework/allocator.py: glibc malloc with fixed thresholds, so a step's freed tensors serve the next step.
+"""framework/parallel/allocator.py: glibc malloc with fixed thresholds, so a step's freed tensors serve the next step.
 
 Each test runs a fresh Python process (malloc's state is per process): the allocation pattern of a training
 step (tensors of 1-16 MiB, every page written, then all freed), repeated, with page faults counted."""

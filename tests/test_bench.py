@@ -12,7 +12,7 @@ import torch
 
 from conftest import ROOT, read_scalars
 from framework.zoo.synthetic import classification
-from framework.trainer import Trainer
+from framework.loop.trainer import Trainer
 
 sys.path.insert(0, str(ROOT / "bench"))
 import handwritten  # noqa: E402

@@ -1,4 +1,4 @@
-"""framework/build.py built directly: which attribute of the task holds the model (given as `model`, as a port's
+"""framework/loop/build.py built directly: which attribute of the task holds the model (given as `model`, as a port's
 `net`, through **kwargs, or built by the task itself), one ConfigError when that cannot be told, the callbacks
 group, and Lightning's batch limits."""
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 from omegaconf import OmegaConf
 from torch import nn
 
-from framework.build import build_callbacks, build_task, limit
-from framework.callbacks import EarlyStopping, Timer
-from framework.errors import ConfigError
-from framework.task import Task
+from framework.loop.build import build_callbacks, build_task, limit
+from framework.callbacks.base import EarlyStopping, Timer
+from framework.core.errors import ConfigError
+from framework.task.task import Task
 
 pytestmark = pytest.mark.unit
 MODEL = {"_target_": "torch.nn.Linear", "in_features": 4, "out_features": 2}
@@ -97,13 +97,13 @@ def test_two_submodules_with_parameters_and_no_model_given_is_one_config_error_n
 
 
 def test_a_task_target_that_is_not_a_task_is_one_config_error():
-    with pytest.raises(ConfigError, match=r"^task._target_='torch.nn.Linear': expected a framework.task.Task "
+    with pytest.raises(ConfigError, match=r"^task._target_='torch.nn.Linear': expected a framework.task.task.Task "
                                           r"subclass"):
         build_task(config({"_target_": "torch.nn.Linear", "in_features": 1, "out_features": 1}))
 
 
 def test_the_callbacks_group_skips_a_null_node_refuses_a_non_callback_and_adds_a_timer_for_max_time():
-    cfg = OmegaConf.create({"callbacks": {"early_stopping": {"_target_": "framework.callbacks.EarlyStopping",
+    cfg = OmegaConf.create({"callbacks": {"early_stopping": {"_target_": "framework.callbacks.base.EarlyStopping",
                                                              "patience": 2},
                                           "off": None},
                             "trainer": {"max_time": "00:01:00:00"}})
@@ -113,7 +113,7 @@ def test_the_callbacks_group_skips_a_null_node_refuses_a_non_callback_and_adds_a
     assert isinstance(callbacks["timer"], Timer)
     cfg.callbacks = {"bad": {"_target_": "torch.nn.Identity"}}
     with pytest.raises(ConfigError, match=r"^callbacks.bad._target_='torch.nn.Identity' built a Identity; expected a "
-                                          r"framework.callbacks.Callback subclass"):
+                                          r"framework.callbacks.base.Callback subclass"):
         build_callbacks(cfg)
 
 

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import output, read_scalars, run_cli, run_process
-from framework.callbacks import Callback, CallbackList, EarlyStopping
+from framework.callbacks.base import Callback, CallbackList, EarlyStopping
 from framework.checkpoint import open_checkpoint
-from framework.trainer import Trainer
+from framework.loop.trainer import Trainer
 
 pytestmark = pytest.mark.unit
 
@@ -96,7 +96,7 @@ def test_callbacks_group_presets_compose_and_can_be_switched_off_or_added(compos
 @pytest.mark.parametrize(("override", "expected"), [
     ("+callbacks.mine=3", "callbacks.mine=3: expected a node with a _target_"),
     ("+callbacks.mine={_target_: torch.nn.Linear, in_features: 2, out_features: 2}",
-     "callbacks.mine._target_='torch.nn.Linear' built a Linear; expected a framework.callbacks.Callback subclass"),
+     "callbacks.mine._target_='torch.nn.Linear' built a Linear; expected a framework.callbacks.base.Callback subclass"),
     ("callbacks.early_stopping.patience=0", "callbacks.early_stopping"),
     ("callbacks.early_stopping.monitor=val/nope", "callbacks.early_stopping.monitor='val/nope': no such metric"),
     ("data.val=null", "callbacks.early_stopping.monitor='val/loss': this run has no validation split"),
@@ -157,7 +157,7 @@ def test_ema_follows_the_formula_and_leaves_the_raw_weights_bit_identical(compos
     common = ("trainer.max_steps=7", "trainer.val_every_n_steps=3", "checkpoint=none", "callbacks=none")
     plain = make(compose, tmp_path / "plain", *common)
     plain.fit()
-    with_ema = make(compose, tmp_path / "ema", *common, "+callbacks.ema={_target_: framework.callbacks.EMA, "
+    with_ema = make(compose, tmp_path / "ema", *common, "+callbacks.ema={_target_: framework.callbacks.base.EMA, "
                     "decay: 0.9, warmup: true}")
     recorder = Recorder()
     ema = with_ema.callbacks.callbacks["ema"]
@@ -188,7 +188,7 @@ def test_ema_weights_are_in_the_pickle_free_checkpoint_and_export_uses_them(tmp_
     averaged = {k.split("/weights/", 1)[1]: v for k, v in state.items() if k.startswith("/callbacks/ema/weights/")}
     raw = load_file(str(run / "checkpoints" / "last" / "model.safetensors"))
     assert set(averaged) == set(raw) and any(not torch.equal(averaged[k], raw[k]) for k in raw)
-    exported = run_process([sys.executable, "-m", "framework.export", str(run), "--which", "last"], timeout=120)
+    exported = run_process([sys.executable, "-m", "framework", "export", str(run), "--which", "last"], timeout=120)
     assert exported.returncode == 0, exported.stdout + exported.stderr
     assert "EMA" in exported.stdout + exported.stderr
     weights = load_file(str(run / "export" / "model.safetensors"))
@@ -202,7 +202,7 @@ def test_a_run_scoped_timer_stops_cleanly_saves_last_and_a_resume_gets_the_budge
     """Lightning's Timer as a callback, scope=run: the budget counts every job of the run (trainer.max_time counts
     one job: tests/test_requeue.py)."""
     run = tmp_path / "run"
-    timer = "+callbacks.timer={_target_:framework.callbacks.Timer,duration:2,scope:run}"
+    timer = "+callbacks.timer={_target_:framework.callbacks.base.Timer,duration:2,scope:run}"
     proc = run_cli(run, timer, "trainer.max_epochs=100000", "callbacks=none")
     assert proc.returncode == 0, output(proc)
     first = json.loads((run / "summary.json").read_text())

@@ -25,9 +25,9 @@ from conftest import one_error_line, output, read_scalars, replace, run_cli
 from framework.checkpoint import (META_FILE, MODEL_FILE, STATE_FILE, CheckpointManager, CheckpointWriter,
                                   DamagedCheckpoint, UnreadableCheckpoint, check_compatible, find_latest,
                                   load_weights, open_checkpoint, write_checkpoint)
-from framework.errors import ConfigError
-from framework.instantiate import build
-from framework.resume import find_checkpoint
+from framework.core.errors import ConfigError
+from framework.config.instantiate import build
+from framework.app.resume import find_checkpoint
 
 pytestmark = pytest.mark.unit
 
@@ -60,7 +60,7 @@ def step_of(path: Path) -> int:
 
 def train(compose, run_dir: Path, *overrides: str) -> dict:
     """Train in this process, exactly as run.py would (the summary is written to run_dir/summary.json too)."""
-    from framework.trainer import Trainer
+    from framework.loop.trainer import Trainer
 
     cfg = compose("logger.progress_bar=false", *overrides)
     return Trainer(cfg, run_dir).fit()
@@ -435,7 +435,7 @@ def test_cli_resume_with_a_model_value_that_changes_the_weights_is_one_error_lis
 
 @pytest.mark.e2e
 def test_init_from_a_checkpoint_of_another_model_is_one_error_listing_the_keys(compose, base, tmp_path):
-    from framework.trainer import Trainer
+    from framework.loop.trainer import Trainer
 
     keys = r"\(missing features\.0\.weight, .*; unexpected net\.1\.bias, net\.1\.weight, net\.3\.bias \.\.\.\)"
     with pytest.raises(ConfigError, match=r"init_from=.*: its weights do not fit this model " + keys):
@@ -452,7 +452,7 @@ def test_a_shape_mismatch_names_the_key_and_both_shapes(compose):
 # ---------------------------------------------------------------------------------------------- 5. init_from
 def initial_weights(compose, tmp_path: Path, *overrides: str) -> dict[str, torch.Tensor]:
     """The weights a run starts training from."""
-    from framework.trainer import Trainer
+    from framework.loop.trainer import Trainer
 
     trainer = Trainer(compose("logger.tensorboard=false", *overrides), tmp_path / "run")
     return trainer.strategy.unwrap(trainer.task.model).state_dict()

@@ -34,12 +34,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import FAST, ROOT, one_error_line, output, replace, run_cli
-from framework import reproducibility
+from framework.core import reproducibility
 from framework.checkpoint import (MAX_META_BYTES, META_FILE, MODEL_FILE, STATE_FILE, CheckpointManager,
                                   CheckpointSaveError, DamagedCheckpoint, check_compatible, digest,
                                   find_latest, link_checkpoint, load_weights, open_checkpoint, validate_rng_state,
                                   validate_state, write_checkpoint)
-from framework.errors import ConfigError, UserError
+from framework.core.errors import ConfigError, UserError
 
 pytestmark = pytest.mark.unit
 
@@ -632,7 +632,7 @@ def test_validate_state_accepts_every_component_a_real_run_saved_against_a_fresh
                                                                                              overrides):
     """No false alarm on what the trainer really saves, for every optimizer, scheduler and precision option:
     the state of a finished run, checked against the components of a trainer built to resume it."""
-    from framework.trainer import Trainer
+    from framework.loop.trainer import Trainer
 
     cfg = compose("logger.progress_bar=false", "logger.tensorboard=false", "trainer.max_epochs=2",
                   "trainer.limit_train_batches=3", *overrides)

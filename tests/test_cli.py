@@ -1,4 +1,4 @@
-"""Mistakes Hydra finds while composing the config (framework/cli.py): one `Error: ...` line naming what was
+"""Mistakes Hydra finds while composing the config (framework/app/cli.py): one `Error: ...` line naming what was
 typed and what would be valid, exit code 1, no traceback; HYDRA_FULL_ERROR=1 still shows Hydra's own report.
 
 Each runs run.py as a subprocess, as a user would; all fail before any training starts (well under a second).
@@ -15,7 +15,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import CONF, ROOT, one_error_line, output, run_cli
-from framework import cli, config
+from framework.app import cli
+from framework.config import schema as config
 
 pytestmark = pytest.mark.e2e
 

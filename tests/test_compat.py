@@ -1,12 +1,12 @@
-"""framework.compat: the private APIs it uses still do what it was written for, on the versions installed."""
+"""framework.core.compat: the private APIs it uses still do what it was written for, on the versions installed."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torchmetrics import MaxMetric, MeanMetric
 
-from framework import compat
-from framework.metrics import load_metric_state, metric_state
+from framework.core import compat
+from framework.task.metrics import load_metric_state, metric_state
 
 pytestmark = pytest.mark.unit
 
@@ -18,7 +18,7 @@ def test_a_metric_state_with_its_update_count_comes_back_exactly():
     saved = metric_state(metric)
     fresh = MeanMetric()
     load_metric_state(fresh, saved, torch.device("cpu"))
-    assert fresh.update_count == 3  # what compute() and forward() read: restored through framework.compat
+    assert fresh.update_count == 3  # what compute() and forward() read: restored through framework.core.compat
     assert float(fresh.compute()) == pytest.approx(3.0)
     fresh.update(torch.tensor(3.0))
     assert float(fresh.compute()) == pytest.approx(3.0) and fresh.update_count == 4

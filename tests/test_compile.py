@@ -21,9 +21,9 @@ from torch import nn
 from conftest import assert_identical, final_state, output, run_cli
 from framework.checkpoint import load_weights, open_checkpoint, write_checkpoint
 from framework.checkpoint.weights import accept_plain_keys, check_compatible
-from framework.state import Progress, TrainingState
-from framework.task import ClassificationTask
-from framework.trainer import Trainer, train
+from framework.checkpoint.state import Progress, TrainingState
+from framework.task.task import ClassificationTask
+from framework.loop.trainer import Trainer, train
 
 pytestmark = pytest.mark.unit  # the compiled runs below are e2e: inductor runs the C++ compiler in a process
 
@@ -98,7 +98,7 @@ def test_a_compiled_run_killed_midway_resumes_bit_identical_and_loads_uncompiled
               "checkpoint.keep_last=-1", "checkpoint.save_last=true", "checkpoint.async_save=false")
     compiled = ("trainer.compile=true", *common)
     (tmp_path / "whole").mkdir()
-    with caplog.at_level(logging.INFO, logger="framework.trainer"):
+    with caplog.at_level(logging.INFO, logger="framework.loop.trainer"):
         torch.compiler.reset()
         summary = Trainer(compose(*compiled), tmp_path / "whole").fit()
     assert summary["compile"]["compilations"] >= 2  # the evaluation's graph (no grad) and training's

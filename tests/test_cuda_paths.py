@@ -22,10 +22,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from conftest import ROOT, output, run_cli
-from framework import config
-from framework.errors import ConfigError
-from framework.parallel import DataParallelStrategy, FSDPStrategy, Strategy, build_strategy, default_backend
-from framework.precision import Precision
+from framework.config import schema as config
+from framework.core.errors import ConfigError
+from framework.parallel.strategy import DataParallelStrategy, FSDPStrategy, Strategy, build_strategy, default_backend
+from framework.parallel.precision import Precision
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -105,7 +105,7 @@ def test_fsdp_places_the_tasks_own_parameters_and_buffers_and_leaves_the_model_t
 
 @pytest.mark.unit
 def test_building_a_sharded_run_places_the_tasks_own_state():
-    from framework.build import place
+    from framework.loop.build import place
 
     class ShardedOnMeta(Strategy):
         sharded = True
@@ -274,7 +274,7 @@ def test_an_export_of_a_model_that_makes_tensors_on_its_inputs_device_runs_on_cu
                    "checkpoint.every_n_steps=2", "trainer.limit_val_batches=1", timeout=600)
     assert proc.returncode == 0, output(proc)
     # traced and verified as a user exports (experiments/lm.py makes its positions on the tokens' device)
-    exported = run_cli_module("framework.export", str(tmp_path), "--which", "last")
+    exported = run_cli_module("framework", "export", str(tmp_path), "--which", "last")
     assert exported.returncode == 0, output(exported)
     scripted = torch.jit.load(str(tmp_path / "export" / "model.pt"), map_location="cuda")
     cfg = OmegaConf.load(tmp_path / ".hydra" / "config.yaml").model
@@ -293,7 +293,7 @@ def run_cli_module(module: str, *args: str) -> subprocess.CompletedProcess:
 @cuda
 @pytest.mark.unit
 def test_a_cnn_in_channels_last_trains_from_pinned_batches(compose, tmp_path):
-    from framework.trainer import Trainer
+    from framework.loop.trainer import Trainer
 
     cfg = compose("logger.progress_bar=false", "model=cnn", "data=fake", "data.pin_memory=true", *TINY)
     trainer = Trainer(cfg, tmp_path)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from framework.data import DataModule, EpochSampler
+from framework.data.module import DataModule, EpochSampler
 
 pytestmark = pytest.mark.unit
 

@@ -14,9 +14,9 @@ import torch
 
 from conftest import make_cifar10, make_image_folder, make_mnist, one_error_line, output, run_cli, write_idx
 from framework.zoo.datasets import digits
-from framework.data import DataModule
-from framework.errors import ConfigError
-from framework.instantiate import build
+from framework.data.module import DataModule
+from framework.core.errors import ConfigError
+from framework.config.instantiate import build
 
 pytestmark = pytest.mark.unit
 

@@ -14,9 +14,9 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from conftest import final_state, output, run_cli
-from framework.launch import free_port
-from framework.parallel import DDPStrategy
-from framework.trainer import Trainer
+from framework.app.launch import free_port
+from framework.parallel.strategy import DDPStrategy
+from framework.loop.trainer import Trainer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 

@@ -2,7 +2,7 @@
 test here runs the command a refusal suggests, as a user would). A run killed before its first checkpoint
 continues with the resume=RUN_DIR its refusal names; an init_from= or resume= path that holds nothing to start
 from is one error naming the key; a fast_dev_run keeps nothing and never touches a run
-(framework/app.py, framework/resume.py, framework/rundir.py)."""
+(framework/app/main.py, framework/app/resume.py, framework/app/rundir.py)."""
 from __future__ import annotations
 
 import json

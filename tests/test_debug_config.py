@@ -12,9 +12,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from conftest import one_error_line, output, run_cli
-from framework import config
-from framework.config import LIGHTNING_NAMES, TrainerConfig
-from framework.errors import ConfigError
+from framework.config import schema as config
+from framework.config.schema import LIGHTNING_NAMES, TrainerConfig
+from framework.core.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 

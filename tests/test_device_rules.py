@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from framework.loggers import TensorBoardLogger
-from framework.metric_logger import MetricLogger, TaskHandle
-from framework.parallel import Strategy
-from framework.state import Progress
-from framework.stop import Stop
-from framework.task import Task
+from framework.observe.tensorboard import TensorBoardLogger
+from framework.observe.metric_logger import MetricLogger, TaskHandle
+from framework.parallel.strategy import Strategy
+from framework.checkpoint.state import Progress
+from framework.loop.stop import Stop
+from framework.task.task import Task
 
 pytestmark = pytest.mark.unit
 META = torch.device("meta")

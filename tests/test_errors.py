@@ -3,7 +3,7 @@ exit code 1, no Python traceback (unless HYDRA_FULL_ERROR=1 asks for one).
 
 Each test runs run.py as a subprocess, as a user would. Mistakes in the command line itself (an unknown
 key, a wrong type, an unknown group option) are found by Hydra while composing the config and reported by
-`framework.cli`; the rest go through `framework.app`. Both print one `Error: ...` line.
+`framework.app.cli`; the rest go through `framework.app.main`. Both print one `Error: ...` line.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def assert_in(text: str, *fragments: str) -> None:
         assert fragment in text, f"{fragment!r} not in:\n{text}"
 
 
-# ---------------------------------------------------------------- found by Hydra while composing (framework.cli)
+# ---------------------------------------------------------------- found by Hydra while composing (framework.app.cli)
 
 
 def test_unknown_key_is_named_with_the_closest_one_and_how_to_add_it(tmp_path: Path) -> None:
@@ -52,7 +52,7 @@ def test_unknown_group_option_lists_the_available_ones(tmp_path: Path) -> None:
     assert_in(text, "model=nosuchmodel: no such option in group 'model'", "expected one of: cnn, mlp, resnet18")
 
 
-# ---------------------------------------------------------------- reported by framework.app
+# ---------------------------------------------------------------- reported by framework.app.main
 
 
 def test_unknown_constructor_argument_names_key_value_and_suggests_the_close_one(tmp_path: Path) -> None:
@@ -130,4 +130,4 @@ def test_diverging_loss_stops_at_its_step_and_keeps_the_events_already_written(t
 def test_full_error_env_shows_the_traceback_of_our_config_error(tmp_path: Path) -> None:
     proc = run_cli(tmp_path, *TINY, "trainer.accumulate_grad_batches=0", env={"HYDRA_FULL_ERROR": "1"})
     assert proc.returncode != 0
-    assert_in(output(proc), "Traceback", "framework.errors.ConfigError: trainer.accumulate_grad_batches=0")
+    assert_in(output(proc), "Traceback", "framework.core.errors.ConfigError: trainer.accumulate_grad_batches=0")

@@ -1,4 +1,4 @@
-"""framework/evaluate.py built directly on a tiny in-memory DataModule: one evaluation pass's means are exact over
+"""framework/loop/evaluate.py built directly on a tiny in-memory DataModule: one evaluation pass's means are exact over
 batches of uneven sizes, overfit_batches validates on the training batches it trains on, the limits count batches,
 and the idle step a sharded rank runs leaves no trace."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from conftest import evaluator_for, read_scalars, tiny_data
-from framework.task import StepOutput, Task
+from framework.task.task import StepOutput, Task
 
 pytestmark = pytest.mark.unit
 

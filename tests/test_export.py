@@ -1,4 +1,4 @@
-"""`python -m framework.export`: from a trained run to files that run without this framework, checked.
+"""`python -m framework export`: from a trained run to files that run without this framework, checked.
 
 The exported TorchScript module, loaded with plain `torch.jit.load`, and the ONNX file, run by onnxruntime, must
 compute what the model rebuilt from the exported weights computes, on a real batch of the run's data; errors are
@@ -18,9 +18,11 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from conftest import ROOT, TESTS, make_mnist, on_pythonpath, output, run_cli, run_process
-from framework import export, export_example, export_onnx
-from framework.errors import UserError
-from framework.instantiate import build
+from framework.stages import export
+from framework.stages import export_example
+from framework.stages import export_onnx
+from framework.core.errors import UserError
+from framework.config.instantiate import build
 from framework.zoo.models import MLP
 
 # TorchScript is deprecated upstream
@@ -78,7 +80,7 @@ def rebuilt(run_dir: Path, weights: Path) -> torch.nn.Module:
 
 
 def export_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return run_process([sys.executable, "-m", "framework.export", *args], env=env, timeout=120)
+    return run_process([sys.executable, "-m", "framework", "export", *args], env=env, timeout=120)
 
 
 def test_export_writes_torchscript_that_computes_what_the_exported_weights_do(run_dir):

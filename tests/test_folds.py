@@ -1,4 +1,4 @@
-"""k-fold cross-validation (framework/folds.py, issue 34): `data.folds=K data.fold=i` cuts data.train into K seeded,
+"""k-fold cross-validation (framework/data/folds.py, issue 34): `data.folds=K data.fold=i` cuts data.train into K seeded,
 stratified folds, fold i the val split; the fold's samples are kept in folds.json; a sweep over data.fold gets a
 mean ± std row per setting of the other swept keys in summary.csv; bad input is one line."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, Subset, TensorDataset
 
 from conftest import ROOT, output, run_process
-from framework import folds
-from framework.data import DataModule, TensorBatches
-from framework.errors import ConfigError
+from framework.data import folds
+from framework.data.module import DataModule, TensorBatches
+from framework.core.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 
@@ -145,7 +145,7 @@ def _job(sweep_dir: Path, name: str, overrides: list[str], summary: dict) -> Non
 def test_a_sweep_over_lr_and_fold_gets_one_mean_and_std_row_per_lr(tmp_path, capsys):
     from omegaconf import OmegaConf
 
-    from framework.sweep import FOLDS_ROW, report
+    from framework.app.sweep import FOLDS_ROW, report
 
     accs = {"0.1": [0.9, 0.8, 0.7], "0.5": [0.95, 0.97, None], "0.9": [0.5]}  # None: failed; 0.9: folds 1, 2 to run
     n = 0

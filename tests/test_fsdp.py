@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import KILLHOOK, on_pythonpath, output, run_cli
-from framework import export
+from framework.stages import export
 from framework.checkpoint import DamagedCheckpoint, find_latest, open_checkpoint
 from framework.checkpoint.format import shard_files
 from framework.zoo.models import MLP
@@ -172,7 +172,7 @@ def test_fsdp_options_under_another_strategy_are_one_line(tmp_path):
 @pytest.mark.unit
 def test_the_lm_experiments_text_is_batched_by_its_collate_fn(compose):
     # (experiment=lm_fsdp's data; a DataModule with a collate_fn takes the DataLoader path)
-    from framework.instantiate import build
+    from framework.config.instantiate import build
 
     cfg = compose("experiment=lm", "data.batch_size=3")
     data = build(cfg.data, "data")

@@ -1,5 +1,5 @@
 """The house rules of framework/, checked on its source: sizes a reader can hold (no class over 300 lines, no function
-over 60), no private API of a dependency outside framework/compat.py, and no line that replaces another package's
+over 60), no private API of a dependency outside framework/core/compat.py, and no line that replaces another package's
 function, method or class attribute at run time."""
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ def test_lr_find_writes_through_no_link_planted_in_its_directory(tmp_path):
 
 
 def export(*args: str) -> subprocess.CompletedProcess:
-    return run_process([sys.executable, "-m", "framework.export", *args], cwd=ROOT)
+    return run_process([sys.executable, "-m", "framework", "export", *args], cwd=ROOT)
 
 
 @pytest.mark.parametrize("which", ["best", "last"])

@@ -1,4 +1,4 @@
-"""The LR range test, `python run.py lr_find` (framework/lr_find.py, issue 34): the run's own optimizer, parameter-group
+"""The LR range test, `python run.py lr_find` (framework/stages/lr_find.py, issue 34): the run's own optimizer, parameter-group
 multipliers and accumulation; the run put back afterwards and no checkpoint written; deterministic for a seed; the
 curve as a PNG and in TensorBoard; the suggestion an override whose run reaches val/acc >= 0.97 on the digits MLP."""
 from __future__ import annotations
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from conftest import ROOT, output, read_scalars, run_cli, run_process
-from framework import lr_find, lr_plot
-from framework.errors import ConfigError
+from framework.stages import lr_find
+from framework.stages import lr_plot
+from framework.core.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 
@@ -33,7 +34,7 @@ def test_the_lrs_grow_exponentially_and_the_suggestion_is_a_tenth_of_the_lowest_
 
 
 def _run(compose, tmp_path, *overrides: str):
-    from framework.run import Run
+    from framework.loop.run import Run
 
     cfg = compose("stage=fit", "trainer.device=cpu", *QUIET, *overrides)
     return Run(cfg, tmp_path)
@@ -82,14 +83,14 @@ def test_accumulating_two_batches_of_32_draws_the_curve_of_batches_of_64_and_a_s
     ("ckpt=outputs", "ckpt='outputs': expected null with lr_find"),
 ])
 def test_bad_lr_find_settings_are_one_line_naming_the_key(compose, override, said):
-    from framework.config import validate
+    from framework.config.schema import validate
 
     with pytest.raises(ConfigError, match="^" + re.escape(said)):
         validate(compose("stage=lr_find", override))
 
 
 def test_a_range_that_ends_below_its_start_names_both_ends(compose):
-    from framework.config import validate
+    from framework.config.schema import validate
 
     with pytest.raises(ConfigError) as refused:
         validate(compose("stage=lr_find", "lr_find.max_lr=0.1", "lr_find.min_lr=1"))

@@ -1,4 +1,4 @@
-"""framework/memory.py: perf/max_memory_mb is each epoch's own peak (issue 29, item 8). On the CPU the peak is the
+"""framework/parallel/memory.py: perf/max_memory_mb is each epoch's own peak (issue 29, item 8). On the CPU the peak is the
 process's resident set (VmHWM), reset at an epoch's start; a large allocation freed in one epoch no longer shows
 in the next one's figure."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import read_scalars
-from framework.callbacks import Callback, CallbackList
-from framework.memory import PeakMemory, model_devices
-from framework.trainer import Trainer
+from framework.callbacks.base import Callback, CallbackList
+from framework.parallel.memory import PeakMemory, model_devices
+from framework.loop.trainer import Trainer
 
 pytestmark = pytest.mark.unit
 BIG_MB = 512  # well above the resident set's noise; over glibc's mmap threshold, so freeing it unmaps it

@@ -15,8 +15,8 @@ from torch import nn
 
 from conftest import RANK_PARALLEL, join_test_ranks
 from experiments.lm import TransformerLM
-from framework import meta_init
-from framework.launch import free_port
+from framework.parallel import meta_init
+from framework.app.launch import free_port
 from framework.zoo.models import MLP
 
 pytestmark = pytest.mark.unit
@@ -98,7 +98,7 @@ def test_an_init_that_cannot_be_replayed_builds_the_model_whole_from_the_same_rn
         plain = make()
         torch.manual_seed(0)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="framework.meta_init"):
+        with caplog.at_level(logging.WARNING, logger="framework.parallel.meta_init"):
             model, recorder = meta_init.build_on_meta(make, 0, 2)
         assert recorder is None and not any(p.is_meta for p in model.parameters())
         assert reason in caplog.text and "built whole on every rank" in caplog.text
@@ -108,7 +108,7 @@ def test_an_init_that_cannot_be_replayed_builds_the_model_whole_from_the_same_rn
 
 def _rank(rank: int, port: int, weights: str, out: str) -> None:
     join_test_ranks(rank, port)
-    from framework.parallel import FSDPStrategy
+    from framework.parallel.strategy import FSDPStrategy
 
     cfg = OmegaConf.create(RANK_PARALLEL)
     strategy = FSDPStrategy(cfg, "cpu")

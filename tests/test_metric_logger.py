@@ -1,4 +1,4 @@
-"""framework/metric_logger.py built directly: what a task's self.log becomes in each stage (on_step/on_epoch
+"""framework/observe/metric_logger.py built directly: what a task's self.log becomes in each stage (on_step/on_epoch
 defaults and names, reduce_fx, batch-size weights, logger=False, test/ names), the loss window's non-finite stop,
 and TrainLog's resumable state. TensorBoard is a real TensorBoardLogger, read back with TensorBoard's reader."""
 from __future__ import annotations
@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 from conftest import read_scalars
-from framework.errors import ConfigError, UserError
-from framework.loggers import TensorBoardLogger
-from framework.metric_logger import OWN_LOSS, MetricLogger, TaskHandle, TrainLog, stage_name
-from framework.state import Progress
-from framework.stop import Stop
-from framework.parallel import Strategy
-from framework.task import Task
+from framework.core.errors import ConfigError, UserError
+from framework.observe.tensorboard import TensorBoardLogger
+from framework.observe.metric_logger import OWN_LOSS, MetricLogger, TaskHandle, TrainLog, stage_name
+from framework.checkpoint.state import Progress
+from framework.loop.stop import Stop
+from framework.parallel.strategy import Strategy
+from framework.task.task import Task
 
 pytestmark = pytest.mark.unit
 CPU = torch.device("cpu")

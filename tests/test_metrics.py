@@ -19,9 +19,9 @@ from torchmetrics.classification import MulticlassAUROC, MulticlassF1Score
 
 from conftest import output, run_cli
 from framework.zoo.datasets import digits
-from framework.errors import ConfigError
-from framework.metrics import Accuracy
-from framework.task import ClassificationTask
+from framework.core.errors import ConfigError
+from framework.task.metrics import Accuracy
+from framework.task.task import ClassificationTask
 
 pytestmark = pytest.mark.unit
 

@@ -11,9 +11,9 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from conftest import read_scalars
-from framework.errors import ConfigError
-from framework.optim import build_optimizer, build_scheduler, describe_groups, lr_plan
-from framework.trainer import Trainer
+from framework.core.errors import ConfigError
+from framework.optim.groups import build_optimizer, build_scheduler, describe_groups, lr_plan
+from framework.loop.trainer import Trainer
 
 pytestmark = pytest.mark.unit
 
@@ -40,7 +40,7 @@ def groups(opt) -> dict[str, dict]:
     return {g["name"]: g for g in describe_groups(opt)}
 
 
-NO_DECAY = {"name": "no_decay", "params": ["bias", "*.bias"], "modules": ["framework.optim.NORM_LAYERS"],
+NO_DECAY = {"name": "no_decay", "params": ["bias", "*.bias"], "modules": ["framework.optim.groups.NORM_LAYERS"],
             "weight_decay": 0.0}
 
 

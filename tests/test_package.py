@@ -52,7 +52,7 @@ LAB = {
         dropout: 0.1                   # the global RNG matters: a resume that did not restore it would differ
         """,
     "conf/data/small_digits.yaml": """
-        _target_: framework.data.DataModule
+        _target_: framework.data.module.DataModule
         num_classes: 10
         input_shape: [1, 8, 8]
         batch_size: 16
@@ -168,7 +168,7 @@ def test_the_wheel_holds_the_framework_and_its_config_tree_but_not_this_reposito
     assert "framework/conf/__init__.py" in names
     assert not [n for n in names if n.startswith("experiments/")]
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "htf = framework.cli:main" in zipfile.ZipFile(installed.wheel).read(entry_points).decode()
+    assert "htf = framework.app.cli:main" in zipfile.ZipFile(installed.wheel).read(entry_points).decode()
 
 
 def test_the_framework_imports_from_the_wheel_and_reports_one_version(installed, lab):
@@ -199,9 +199,9 @@ def test_every_target_the_installed_config_tree_names_imports_from_any_directory
     installed tree imports in the fresh environment, from a directory with nothing in it."""
     script = textwrap.dedent("""
         import json
-        from framework.errors import ConfigError
-        from framework.instantiate import locate
-        from framework.resume import conf_targets, framework_conf_dir
+        from framework.core.errors import ConfigError
+        from framework.config.instantiate import locate
+        from framework.app.resume import conf_targets, framework_conf_dir
         missing = []
         for target in sorted(conf_targets([framework_conf_dir()])):
             try:
@@ -266,7 +266,7 @@ def test_a_lab_run_stopped_by_sigterm_resumes_to_the_weights_of_one_never_stoppe
 
 
 def test_export_from_a_lab(installed, lab, trained):
-    proc = run([str(installed.python), "-m", "framework.export", str(trained), "--which", "last"], cwd=lab)
+    proc = run([str(installed.python), "-m", "framework", "export", str(trained), "--which", "last"], cwd=lab)
     assert proc.returncode == 0, output(proc)
     exported = final_state(trained)
     weights = load_file(str(trained / "export" / "model.safetensors"))

@@ -19,9 +19,9 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from conftest import ROOT, output
-from framework.launch import _host_store
-from framework.task import ClassificationTask, StepOutput
-from framework.trainer import Trainer
+from framework.app.launch import _host_store
+from framework.task.task import ClassificationTask, StepOutput
+from framework.loop.trainer import Trainer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import read_scalars
-from framework.precision import Precision
-from framework.task import ClassificationTask, StepOutput
-from framework.trainer import Trainer
+from framework.parallel.precision import Precision
+from framework.task.task import ClassificationTask, StepOutput
+from framework.loop.trainer import Trainer
 
 pytestmark = pytest.mark.unit
 

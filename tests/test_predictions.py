@@ -1,4 +1,4 @@
-"""framework/predictions.py, Task.predict_step and DataModule.predict_batches (issue 30): every sample's row exactly
+"""framework/stages/predictions.py, Task.predict_step and DataModule.predict_batches (issue 30): every sample's row exactly
 once in dataset order whatever the size modulo the world size, read back with pyarrow alone; a run killed midway and
 resumed ends with the same bytes as an uninterrupted one; what Parquet cannot hold, and a folder that cannot be
 written, is one UserError line; two real gloo ranks write their shares and rank 0 merges them."""
@@ -20,10 +20,10 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from framework.data import DataModule, EpochSampler
-from framework.errors import ConfigError, UserError
-from framework.predictions import PredictionWriter, merge, part_files, predict_indices
-from framework.task import ClassificationTask, Task, step_function
+from framework.data.module import DataModule, EpochSampler
+from framework.core.errors import ConfigError, UserError
+from framework.stages.predictions import PredictionWriter, merge, part_files, predict_indices
+from framework.task.task import ClassificationTask, Task, step_function
 
 pytestmark = pytest.mark.unit
 BATCH = 4
@@ -280,7 +280,7 @@ def test_a_damaged_part_is_predicted_again_and_dropped_by_the_merge_with_a_warni
     victim.write_bytes({"garbage": b"not arrow", "truncated": whole[: len(whole) // 2], "empty": b""}[damage])
     assert PredictionWriter(tmp_path / "parts", 0, 2).done() == set(range(total)) - set(range(0, 8 * 2, 2))
     predict(tmp_path / "parts", total, 2)  # predicts rank 0's lost chunk again
-    with caplog.at_level("WARNING", logger="framework.predictions"):
+    with caplog.at_level("WARNING", logger="framework.stages.predictions"):
         merge(tmp_path / "parts", total, tmp_path / "resumed.parquet", row_group_rows=16)
     assert [r.getMessage() for r in caplog.records] == [
         f"predictions: part file {victim} cannot be read; its rows were predicted again"]

@@ -1,4 +1,4 @@
-"""framework/preflight.py built directly: the check of the first train and val batch leaves no trace in the task
+"""framework/loop/preflight.py built directly: the check of the first train and val batch leaves no trace in the task
 (a MaxMetric, a buffer, a counter, the RNG), turns a bad training_step return into one ConfigError, and refuses a
 monitor no metric can have when no epoch-end hook could log it."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from conftest import evaluator_for, tiny_data
-from framework.errors import ConfigError
-from framework.metrics import metric_state
-from framework.preflight import check_first_batches
-from framework.task import StepOutput, Task
+from framework.core.errors import ConfigError
+from framework.task.metrics import metric_state
+from framework.loop.preflight import check_first_batches
+from framework.task.task import StepOutput, Task
 
 pytestmark = pytest.mark.unit
 

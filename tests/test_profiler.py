@@ -13,12 +13,12 @@ import torch.distributed as dist
 from torch import nn
 
 from conftest import output, read_scalars, run_cli
-from framework import config
-from framework.errors import ConfigError
-from framework.loggers import print_summary
-from framework.parallel import Strategy
-from framework.profiler import PHASES, Profiler, SimpleProfiler, cap_trace
-from framework.trainer import Trainer
+from framework.config import schema as config
+from framework.core.errors import ConfigError
+from framework.observe.tensorboard import print_summary
+from framework.parallel.strategy import Strategy
+from framework.observe.profiler import PHASES, Profiler, SimpleProfiler, cap_trace
+from framework.loop.trainer import Trainer
 
 pytestmark = pytest.mark.unit
 
@@ -101,7 +101,7 @@ def test_a_trace_over_the_cap_keeps_its_first_events_under_it(compose, tmp_path)
 
 
 def test_a_run_shorter_than_the_window_writes_no_trace_and_says_so(compose, tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="framework.profiler"):
+    with caplog.at_level(logging.WARNING, logger="framework.observe.profiler"):
         fit(compose, tmp_path, "trainer.profiler=pytorch", "trainer.max_steps=1")
     assert not list((tmp_path / "profiler").glob("*.json"))
     assert "no trace written; the run ended after 1 steps" in caplog.text

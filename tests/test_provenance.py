@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, ROOT, TESTS, on_pythonpath, output, run_cli
-from framework import launch, provenance
-from framework.loggers import SUMMARY_LOGGER, print_summary
-from framework.task import ClassificationTask
+from framework.app import launch
+from framework.observe import provenance
+from framework.observe.tensorboard import SUMMARY_LOGGER, print_summary
+from framework.task.task import ClassificationTask
 
 pytestmark = pytest.mark.e2e
 
@@ -157,7 +158,7 @@ def test_git_never_delays_the_first_step(tmp_path):
     hook_dir.mkdir()
     # On a loaded machine the first step can come more than git's 3 s after the record starts: give git 60 s (the
     # stand-in waits 30 s at most), so only a record taken before training can miss the commit.
-    (hook_dir / "sitecustomize.py").write_text("import framework.provenance as p\np.GIT_TIMEOUT_S = 60.0\n")
+    (hook_dir / "sitecustomize.py").write_text("import framework.observe.provenance as p\np.GIT_TIMEOUT_S = 60.0\n")
     (bin_dir / "git").write_text(f"#!/bin/sh\nfor i in $(seq 1 600); do [ -e {marker} ] && break; sleep 0.05; done\n"
                                  f"[ -e {marker} ] || exit 1\n"
                                  'if [ "$1" = rev-parse ]; then echo 0123456789abcdef0123456789abcdef01234567; fi\n')

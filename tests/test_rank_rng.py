@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from framework import reproducibility
+from framework.core import reproducibility
 from framework.checkpoint import DamagedCheckpoint, open_checkpoint, validate_rng_state, write_checkpoint
-from framework.data import DataModule
+from framework.data.module import DataModule
 
 pytestmark = pytest.mark.unit
 
@@ -40,7 +40,7 @@ def test_an_older_checkpoint_with_one_cuda_state_per_gpu_validates_whatever_gpus
 
 def test_the_state_restored_is_the_rank_s_own_device_s_or_else_the_first(caplog):
     states = [fake_cuda_state(seed) for seed in (10, 11, 12)]
-    with caplog.at_level(logging.DEBUG, logger="framework.reproducibility"):
+    with caplog.at_level(logging.DEBUG, logger="framework.core.reproducibility"):
         assert torch.equal(reproducibility.cuda_state_for(states, 2), states[2])
         assert torch.equal(reproducibility.cuda_state_for(states, 5), states[0])
     assert "holds 3 CUDA RNG states, none for device 5; restoring the first" in caplog.text

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from conftest import KILLHOOK, ROOT, TESTS, assert_identical, final_state, on_pythonpath, output, run_cli
-from framework.task import ClassificationTask, StepOutput
+from framework.task.task import ClassificationTask, StepOutput
 
 pytestmark = pytest.mark.e2e
 
@@ -307,7 +307,7 @@ def test_submitits_requeue_exit_is_told_from_a_jobs_own_sys_exit(monkeypatch):
     (its handler got a signal after the run's watch had ended) must reach submitit, which then requeues."""
     from submitit.local.local import LocalJobEnvironment
 
-    from framework.app import _submitit_requeue
+    from framework.app.main import _submitit_requeue
 
     monkeypatch.setenv("SUBMITIT_LOCAL_JOB_ID", "7")
     with pytest.raises(SystemExit) as requeued:

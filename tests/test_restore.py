@@ -1,4 +1,4 @@
-"""framework/restore.py built directly: the checks of the parts whose saved form depends on the run (optimizer,
+"""framework/checkpoint/restore.py built directly: the checks of the parts whose saved form depends on the run (optimizer,
 precision, callbacks) refuse a saved part that does not fit before anything is loaded, `restore` leaves nothing
 half-restored, and fit's test takes the best or the final weights, surviving a damaged best."""
 from __future__ import annotations
@@ -13,12 +13,12 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from conftest import replace
-from framework.callbacks import CallbackList, EarlyStopping
+from framework.callbacks.base import CallbackList, EarlyStopping
 from framework.checkpoint import MODEL_FILE, CheckpointManager, DamagedCheckpoint, open_checkpoint, write_checkpoint
-from framework.parallel import Strategy
-from framework.precision import Precision
-from framework.restore import callbacks_check, load_test_weights, optimizer_check, precision_check, restore
-from framework.state import Progress, TrainingState
+from framework.parallel.strategy import Strategy
+from framework.parallel.precision import Precision
+from framework.checkpoint.restore import callbacks_check, load_test_weights, optimizer_check, precision_check, restore
+from framework.checkpoint.state import Progress, TrainingState
 
 pytestmark = pytest.mark.unit
 CPU = torch.device("cpu")
@@ -65,7 +65,7 @@ def test_the_callbacks_check_refuses_a_configured_callbacks_mismatching_state_an
     callbacks = CallbackList({"early_stopping": EarlyStopping(), "fresh": EarlyStopping()})
     check = callbacks_check(callbacks)
     saved = {"early_stopping": EarlyStopping().state_dict(), "gone": {"count": 1}}
-    with caplog.at_level(logging.INFO, logger="framework.restore"):
+    with caplog.at_level(logging.INFO, logger="framework.checkpoint.restore"):
         check(saved, "checkpoint c: callbacks")
     assert "callbacks.fresh is new in this run: it starts fresh" in caplog.text
     assert "checkpoint c: callbacks/gone is not configured in this run; its saved state is not used" in caplog.text
@@ -162,7 +162,7 @@ def test_a_damaged_best_checkpoint_is_a_warning_and_the_final_weights_are_tested
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF  # still a safetensors file: only its checksum can tell
     replace(weights, bytes(data))
-    with caplog.at_level(logging.WARNING, logger="framework.restore"):
+    with caplog.at_level(logging.WARNING, logger="framework.checkpoint.restore"):
         assert load_test_weights(config("best"), checkpoints, Strategy(CPU), module) == \
             "last (the best checkpoint is damaged)"
     assert "trainer.test_ckpt=best: " in caplog.text and "testing the final weights" in caplog.text

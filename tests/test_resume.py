@@ -18,7 +18,7 @@ import pytest
 from conftest import (ROOT, TESTS, assert_identical, final_state, on_pythonpath, one_error_line, output,
                       read_scalars, run_cli, run_process, saved_config)
 from framework.checkpoint import open_checkpoint
-from framework.task import ClassificationTask, StepOutput
+from framework.task.task import ClassificationTask, StepOutput
 
 pytestmark = pytest.mark.e2e
 
@@ -191,7 +191,7 @@ def poison(run_dir: Path, edit) -> None:
 @pytest.mark.parametrize("node", [
     {"_target_": "builtins.open", "file": "VICTIM", "mode": "w"},
     {"_target_": "shutil.rmtree", "path": "VICTIM_DIR"},
-    {"_target_": "framework.resume.os.remove", "path": "VICTIM"},  # reached through a module of the project
+    {"_target_": "framework.app.resume.os.remove", "path": "VICTIM"},  # reached through a module of the project
     {"_target_": "torch.load", "f": "VICTIM", "weights_only": False},
 ])
 def test_a_saved_config_naming_a_target_outside_the_users_code_is_refused_before_anything_is_built(
@@ -204,10 +204,10 @@ def test_a_saved_config_naming_a_target_outside_the_users_code_is_refused_before
     line = one_error_line(run_cli(None, f"resume={run_dir}", fast=False))
     assert f"task.metrics.evil._target_={node['_target_']!r}" in line and "trust_saved_config=true" in line
     assert victim.read_text() == "precious"
-    export = run_process([sys.executable, "-m", "framework.export", str(run_dir)], timeout=120)
+    export = run_process([sys.executable, "-m", "framework", "export", str(run_dir)], timeout=120)
     assert export.returncode == 0  # export builds only the model, whose targets are the project's own
     poison(run_dir, lambda config: config["model"].update(_target_=node["_target_"]))
-    export = run_process([sys.executable, "-m", "framework.export", str(run_dir)], timeout=120)
+    export = run_process([sys.executable, "-m", "framework", "export", str(run_dir)], timeout=120)
     assert export.returncode == 1 and "model._target_" in export.stderr and "Traceback" not in export.stderr
     assert victim.read_text() == "precious"
 
@@ -270,8 +270,8 @@ def test_a_recorded_interpolation_comes_back_only_where_it_gives_the_value_saved
     or that calls a resolver (`name`), is not followed; the true ones are, so the new shards reach data.train."""
     from omegaconf import OmegaConf
 
-    from framework import config
-    from framework.resume import SavedRun, _saved_interpolations, as_data, resumed_config
+    from framework.config import schema as config
+    from framework.app.resume import SavedRun, _saved_interpolations, as_data, resumed_config
 
     first = compose("data=webdataset", "data.train_shards='old'")
     values = OmegaConf.to_container(first, resolve=True)
@@ -307,7 +307,7 @@ def test_a_checkpoint_without_a_recorded_data_identity_resumes_and_records_it_fr
         assert meta.pop("data_identity") is not None
         meta_path.unlink()
         meta_path.write_text(json.dumps(meta))
-    proc = run_cli(None, f"resume={run_dir}", "trainer.max_steps=16", "hydra.verbose=framework.data", fast=False)
+    proc = run_cli(None, f"resume={run_dir}", "trainer.max_steps=16", "hydra.verbose=framework.data.module", fast=False)
     assert proc.returncode == 0, output(proc)
     assert "records no data identity" in output(proc)  # said at debug level: nothing to compare with
     line = one_error_line(run_cli(None, f"resume={run_dir}", "data.train.val_fraction=0.2", "trainer.max_steps=20",

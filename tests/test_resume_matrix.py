@@ -97,10 +97,10 @@ def composed(*overrides: str) -> DictConfig:
     only: the same object is returned to every caller)."""
     from hydra import compose, initialize_config_dir
 
-    import framework.app  # noqa: F401  (the resolvers conf/config.yaml uses)
-    import framework.config
+    import framework.app.main  # noqa: F401  (the resolvers conf/config.yaml uses)
+    import framework.config.schema
 
-    framework.config.register()  # the schemas conf/ is composed against
+    framework.config.schema.register()  # the schemas conf/ is composed against
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides), return_hydra_config=True)

@@ -1,5 +1,5 @@
 """One run per directory: a new run never replaces one, a run locks its directory, a stale lock is free, and an
-invocation refused at start leaves nothing behind (framework/rundir.py, framework/app.py)."""
+invocation refused at start leaves nothing behind (framework/app/rundir.py, framework/app/main.py)."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import ROOT, fingerprint, one_error_line, output, run_cli
-from framework.rundir import LOCK_FILE, RunDirLock
+from framework.app.rundir import LOCK_FILE, RunDirLock
 
 pytestmark = pytest.mark.e2e
 
@@ -60,7 +60,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_while_its_forked_children_liv
     child lives on (workers notice their parent's death only seconds later). A resume at once is accepted."""
     run_dir = tmp_path / "run"
     assert run_cli(run_dir, *SHORT, "checkpoint.every_n_steps=2").returncode == 0
-    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; from framework.rundir import RunDirLock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; from framework.app.rundir import RunDirLock\n"
                                f"with RunDirLock(__import__('pathlib').Path({str(run_dir)!r})):\n"
                                "    child = os.fork()\n"
                                "    if child == 0: time.sleep(600); os._exit(0)\n"

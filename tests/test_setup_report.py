@@ -1,4 +1,4 @@
-"""framework/setup_report.py on parts built directly (build_components on the default config): what a fresh run
+"""framework/observe/setup_report.py on parts built directly (build_components on the default config): what a fresh run
 writes before training (param_groups.json, the LR plan, the config and the layout in TensorBoard), what a resumed
 one leaves alone, and what a dry run prints."""
 from __future__ import annotations
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from conftest import read_scalars
-from framework.build import build_components
-from framework.loggers import TensorBoardLogger
-from framework.optim import lr_plan
-from framework.parallel import Strategy
-from framework.setup_report import describe_setup
+from framework.loop.build import build_components
+from framework.observe.tensorboard import TensorBoardLogger
+from framework.optim.groups import lr_plan
+from framework.parallel.strategy import Strategy
+from framework.observe.setup_report import describe_setup
 
 pytestmark = pytest.mark.unit
 
@@ -54,7 +54,7 @@ def test_a_resumed_run_rewrites_its_groups_but_logs_no_second_plan(built, tmp_pa
 def test_a_dry_run_prints_the_global_batch_groups_model_and_plan(built, tmp_path, caplog):
     cfg, parts = built
     cfg.trainer.dry_run = True
-    with caplog.at_level(logging.INFO, logger="framework.trainer"):
+    with caplog.at_level(logging.INFO, logger="framework.loop.trainer"):
         describe_setup(cfg, parts, world_size=2, run_dir=tmp_path, tensorboard=TensorBoardLogger(tmp_path, False),
                        fresh=True, charts=[], hparams={}, model_summary="MLP(...)")
     batch = parts.data.batch_size

@@ -1,4 +1,4 @@
-"""framework/startup.py: the collector is paused while a command starts and runs again once the run is built, and
+"""framework/core/startup.py: the collector is paused while a command starts and runs again once the run is built, and
 a process that had turned it off itself keeps it off."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework import startup
-from framework.build import build_components
-from framework.parallel import Strategy
+from framework.core import startup
+from framework.loop.build import build_components
+from framework.parallel.strategy import Strategy
 
 pytestmark = pytest.mark.unit
 

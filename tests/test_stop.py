@@ -1,4 +1,4 @@
-"""framework/stop.py built directly: a stop request held back until trainer.min_epochs and min_steps (and then
+"""framework/loop/stop.py built directly: a stop request held back until trainer.min_epochs and min_steps (and then
 dropped, as Lightning does), the first reason winning, and what one process agrees on alone."""
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import signal
 import pytest
 import torch
 
-from framework.loggers import TensorBoardLogger
-from framework.metric_logger import MetricLogger, TaskHandle
-from framework.parallel import Strategy
-from framework.signals import SignalWatch
-from framework.state import Progress
-from framework.stop import Stop
+from framework.observe.tensorboard import TensorBoardLogger
+from framework.observe.metric_logger import MetricLogger, TaskHandle
+from framework.parallel.strategy import Strategy
+from framework.core.signals import SignalWatch
+from framework.checkpoint.state import Progress
+from framework.loop.stop import Stop
 
 pytestmark = pytest.mark.unit
 CPU = torch.device("cpu")
@@ -32,7 +32,7 @@ def test_the_first_reason_given_wins():
 def test_a_request_before_min_epochs_or_min_steps_is_dropped_not_kept_for_later(min_epochs, min_steps, at, caplog):
     stop = Stop(Strategy(CPU), min_epochs=min_epochs, min_steps=min_steps)
     stop.request("early_stopping")
-    with caplog.at_level(logging.INFO, logger="framework.stop"):
+    with caplog.at_level(logging.INFO, logger="framework.loop.stop"):
         assert not stop.granted(at)
     assert stop.reason == ""  # dropped: the callback asks again at its next check
     assert f"early_stopping: not yet, trainer.min_epochs={min_epochs} and min_steps={min_steps}" in caplog.text

@@ -1,4 +1,4 @@
-"""framework/stop.py under a real gloo process group of two spawned processes (issue 29, item 7): agreeing on a stop
+"""framework/loop/stop.py under a real gloo process group of two spawned processes (issue 29, item 7): agreeing on a stop
 costs no host sync per step (a rank leaves a step's agreement without waiting for the other to reach it), and
 every rank still stops at the same step, one after the request or the signal; at an epoch's end (`settle`) a
 request is agreed at once, and a signal held while the run started stops it after the first step; a request before
@@ -17,9 +17,9 @@ from typing import Any, Optional
 import pytest
 import torch.multiprocessing as mp
 
-from framework.parallel import DDPStrategy
-from framework.state import Progress
-from framework.stop import Stop
+from framework.parallel.strategy import DDPStrategy
+from framework.checkpoint.state import Progress
+from framework.loop.stop import Stop
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 HOLD_S = 20  # how long rank 1 waits for rank 0 to leave a step's agreement alone; it should take milliseconds

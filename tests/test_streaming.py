@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch.utils.data import IterableDataset
 
-from framework.data import DataModule
-from framework.errors import ConfigError
-from framework.state import Progress
-from framework.shards import TarShards, TokenShards, tar_shards
-from framework.streaming import StreamState, epoch_order, expand_braces, rank_block
+from framework.data.module import DataModule
+from framework.core.errors import ConfigError
+from framework.checkpoint.state import Progress
+from framework.data.shards import TarShards, TokenShards, tar_shards
+from framework.data.streaming import StreamState, epoch_order, expand_braces, rank_block
 from framework.zoo.shards import png, write_tar
 from conftest import one_error_line, output, run_process
 
@@ -136,7 +136,7 @@ def test_a_resume_refuses_other_data_and_a_scanned_stream_on_another_world_size_
 def test_shards_rewritten_under_the_same_names_are_other_data_to_a_resume(tmp_path):
     """The data's identity holds each shard file's samples and bytes: the same pattern and config over rewritten
     files is refused, naming the split, both counts and the first shard that differs; resume_on_new_data takes it."""
-    from framework.data import check_data
+    from framework.data.module import check_data
 
     def identity() -> dict:
         data = module(tar_shards(pattern))
@@ -268,7 +268,7 @@ def test_a_token_stream_is_windows_within_members_written_once_from_the_stdlib(t
 
 
 def test_the_webdataset_preset_composes_and_a_shuffle_buffer_below_one_is_refused(compose):
-    from framework import config
+    from framework.config import schema as config
 
     cfg = compose("data=webdataset", "data.train_shards='d/train-{000000..000009}.tar'")
     assert cfg.data.train.shards == "d/train-{000000..000009}.tar" and cfg.data.val.shards is None
@@ -285,7 +285,7 @@ def test_a_webdataset_run_given_every_shard_needs_no_data_root(compose, tmp_path
     """data.root is where the digits' shards go when a split has none: given every split's shards, it is never read,
     so neither the preset's default nor a folder that does not exist is refused; a split without shards still
     reads it, and a typo there is refused before anything is written."""
-    from framework.app import check_paths
+    from framework.app.main import check_paths
 
     monkeypatch.chdir(tmp_path)  # no outputs/ here
     check_paths(compose("data=webdataset", *SHARDS))

@@ -27,7 +27,7 @@ SIZES = [31, 30, 30, 30]  # 121: under 2 ranks one sample is left out of each ep
 
 RECORDER = textwrap.dedent('''
     from pathlib import Path
-    from framework.callbacks import Callback
+    from framework.callbacks.base import Callback
 
     class Record(Callback):
         """Appends "STEP ID ID ..." for every training batch to FOLDER/rankR.txt."""

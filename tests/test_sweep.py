@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from conftest import ROOT, output, run_process
-from framework.metric_logger import TaskHandle
-from framework.task import ClassificationTask, StepOutput
+from framework.observe.metric_logger import TaskHandle
+from framework.task.task import ClassificationTask, StepOutput
 
 pytestmark = pytest.mark.e2e
 
@@ -216,7 +216,7 @@ class CountingTask(ClassificationTask):
 
 def test_jobs_of_a_sweep_in_one_process_free_the_last_job_the_first_included(tmp_path):
     """Hydra's basic launcher runs every job in the sweep's process. The first job imports torch._dynamo and
-    then freezes what is alive out of the cyclic collector's sight (framework.trainer._import_torch_dynamo):
+    then freezes what is alive out of the cyclic collector's sight (framework.loop.trainer._import_torch_dynamo):
     nothing of a job may be among it, or that job's task, model and data would outlive it."""
     alive = tmp_path / "alive"
     proc, _ = sweep(tmp_path, "task._target_=test_sweep.CountingTask", "optimizer.lr=0.05,0.1,0.2",
@@ -314,7 +314,7 @@ def test_a_damaged_job_record_is_a_failed_row_not_a_lost_summary(tmp_path, capsy
     the whole sweep summary."""
     from omegaconf import OmegaConf
 
-    from framework.sweep import report
+    from framework.app.sweep import report
 
     records = {"0_lr=0.1": b'{"val/acc": 0.5, "status": "ok"}', "1_lr=0.2": b'{"val/acc": 0.', "2_lr=0.3": b"[1, 2]",
                "3_lr=0.4": b"\xff\xfe\x00garbage"}
@@ -338,7 +338,7 @@ def test_a_null_in_a_jobs_summary_is_an_empty_cell_in_the_table_and_the_csv(tmp_
     """lr_find with no suggestion records `"suggested_lr": null`: no value, shown as none, never as "None"."""
     from omegaconf import OmegaConf
 
-    from framework.sweep import report
+    from framework.app.sweep import report
 
     for i, value in enumerate(("null", "0.01")):
         (tmp_path / f"{i}_lr=0.{i}" / ".hydra").mkdir(parents=True)
@@ -356,7 +356,7 @@ def test_a_metric_only_some_jobs_recorded_is_a_column_with_empty_cells_for_the_o
     (a ported LightningModule logs `val_acc`); the objective leads, the rest follow by group."""
     from omegaconf import OmegaConf
 
-    from framework.sweep import report
+    from framework.app.sweep import report
 
     records = {"0_lr=0.1": {"val/loss": 0.5, "val/acc_best": 0.75, "val_acc": 0.7, "train/loss": 0.4, "step": 3,
                             "epoch": 1, "seconds": 1.5, "world_size": 1, "status": "ok"},

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from conftest import ROOT, TESTS, on_pythonpath, output, run_process
-from framework.metric_logger import TaskHandle
-from framework.task import ClassificationTask, StepOutput
+from framework.observe.metric_logger import TaskHandle
+from framework.task.task import ClassificationTask, StepOutput
 
 pytestmark = pytest.mark.e2e
 

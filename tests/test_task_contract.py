@@ -1,4 +1,4 @@
-"""The Task contract as a Lightning user meets it (framework/task.py, task_hooks.py, task_log.py and the trainer's
+"""The Task contract as a Lightning user meets it (framework/task/task.py, task_hooks.py, task_log.py and the trainer's
 side of them): step signatures, what training_step may return, self.log's values and keywords, the hooks and their
 order, the pre-flight check's (absent) trace, monitors on logged metrics, what callbacks see, min_epochs/min_steps,
 overfit_batches, detect_anomaly and test_ckpt.
@@ -26,12 +26,12 @@ from conftest import output, read_scalars, run_cli
 from torch import nn
 from torch.nn import functional as F
 
-from framework import task_hooks
-from framework.callbacks import Callback
+from framework.task import hooks as task_hooks
+from framework.callbacks.base import Callback
 from framework.checkpoint import open_checkpoint
-from framework.errors import ConfigError
-from framework.task import StepOutput, Task
-from framework.trainer import Trainer
+from framework.core.errors import ConfigError
+from framework.task.task import StepOutput, Task
+from framework.loop.trainer import Trainer
 
 pytestmark = pytest.mark.unit
 
@@ -46,7 +46,7 @@ TINY = ("logger.progress_bar=false", "callbacks=none", "checkpoint=none", "train
 ONE_EPOCH = ("logger.progress_bar=false", "callbacks=none", "checkpoint=none", "trainer.max_epochs=1",
              "trainer.limit_train_batches=3", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
              "~task.loss", "~task.metrics")
-EARLY_STOPPING = "+callbacks.early_stopping._target_=framework.callbacks.EarlyStopping"
+EARLY_STOPPING = "+callbacks.early_stopping._target_=framework.callbacks.base.EarlyStopping"
 
 
 def fit(compose, run_dir: Path, task: type, *overrides: str, resume_from: Any = None) -> tuple[Trainer, dict]:

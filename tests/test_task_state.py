@@ -1,7 +1,7 @@
-"""framework/state.py's TaskState built directly: the task's own state beside its model (torchmetrics states with
+"""framework/checkpoint/state.py's TaskState built directly: the task's own state beside its model (torchmetrics states with
 their update counts, buffers, what on_save_checkpoint adds) comes back exactly, the model's part is left to the
 weights, and a saved part that does not fit is refused before anything loads. (The update count goes through
-framework/compat.py, whose own test checks the torchmetrics version.)"""
+framework/core/compat.py, whose own test checks the torchmetrics version.)"""
 from __future__ import annotations
 
 from typing import Any
@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from framework.checkpoint import DamagedCheckpoint
-from framework.parallel import Strategy
-from framework.state import TaskState
-from framework.task import Task
+from framework.parallel.strategy import Strategy
+from framework.checkpoint.state import TaskState
+from framework.task.task import Task
 
 pytestmark = pytest.mark.unit
 CPU = Strategy(torch.device("cpu"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from framework.tensorboard_layout import layout
+from framework.observe.layout import layout
 
 pytestmark = pytest.mark.unit
 

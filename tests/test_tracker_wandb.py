@@ -1,4 +1,4 @@
-"""framework/tracker_wandb.py: the `logger=wandb` backend beside TensorBoard, on real offline W&B runs.
+"""framework/observe/wandb_tracker.py: the `logger=wandb` backend beside TensorBoard, on real offline W&B runs.
 
 Nothing reaches the network: every run is offline (the default; WANDB_MODE=offline too), its files under the test's
 run directory, W&B's own settings and caches under the test's directory. What a run logged is read back from its
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from conftest import on_pythonpath, one_error_line, output, read_scalars, run_cli
-from framework.config import ConfigError, validate
-from framework.tracker_wandb import history, records, run_files
-from framework.trackers import finish
+from framework.config.schema import ConfigError, validate
+from framework.observe.wandb_tracker import history, records, run_files
+from framework.observe.trackers import finish
 
 pytestmark = pytest.mark.e2e
 
@@ -44,7 +44,7 @@ def offline(tmp_path, monkeypatch) -> Iterator[dict[str, str]]:
 
 def train(compose, run_dir: Path, *overrides: str, resume_from: Path | None = None) -> dict:
     from framework.checkpoint import open_checkpoint
-    from framework.trainer import Trainer
+    from framework.loop.trainer import Trainer
 
     checkpoint = open_checkpoint(resume_from) if resume_from is not None else None
     return Trainer(compose(*SMALL, *overrides), run_dir, resume_from=checkpoint).fit()
@@ -147,7 +147,7 @@ def test_a_multirun_is_one_wandb_group_named_for_the_sweep(tmp_path, offline):
 # ---------------------------------------------------------------------------------------------- failures
 KILLER = '''
 import os, signal
-from framework.callbacks import Callback
+from framework.callbacks.base import Callback
 
 class KillWandbService(Callback):
     """Kills this process's W&B service (wandb-core) after optimizer step 3, as an OOM killer would."""

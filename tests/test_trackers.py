@@ -1,4 +1,4 @@
-"""framework/trackers.py and framework/tracker_mlflow.py: the `logger` group's backends beside TensorBoard.
+"""framework/observe/trackers.py and framework/observe/mlflow_tracker.py: the `logger` group's backends beside TensorBoard.
 
 Runs train in this process (as tests/test_checkpoint.py's do); what was logged is read back with each backend's own
 reader: TensorBoard's EventAccumulator, the csv module, and `mlflow.MlflowClient` against a real SQLite store.
@@ -21,8 +21,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import CONF, KILLHOOK, TESTS, on_pythonpath, one_error_line, output, read_scalars, run_cli
-from framework.callbacks import Callback
-from framework.trackers import CsvTracker, TrackedRun, Trackers, finish, open_sweep
+from framework.callbacks.base import Callback
+from framework.observe.trackers import CsvTracker, TrackedRun, Trackers, finish, open_sweep
 
 pytestmark = pytest.mark.unit
 
@@ -33,7 +33,7 @@ SMALL = ("logger.progress_bar=false", "trainer.max_epochs=2", "trainer.limit_tra
 
 def train(compose, run_dir: Path, *overrides: str, resume_from: Path | None = None) -> dict:
     from framework.checkpoint import open_checkpoint
-    from framework.trainer import Trainer
+    from framework.loop.trainer import Trainer
 
     checkpoint = open_checkpoint(resume_from) if resume_from is not None else None
     return Trainer(compose(*SMALL, *overrides), run_dir, resume_from=checkpoint).fit()
@@ -193,7 +193,7 @@ class Broken:
 
 
 def test_a_failing_tracker_is_warned_of_once_then_left_out(tmp_path, caplog):
-    caplog.set_level("INFO", logger="framework.trackers.traceback")
+    caplog.set_level("INFO", logger="framework.observe.trackers.traceback")
     broken, kept = Broken(), CsvTracker(TrackedRun(tmp_path, "x", {}), "metrics.csv")
     trackers = Trackers(TrackedRun(tmp_path, "x", {}), [broken, kept])
     for step in range(1, 5):
@@ -204,8 +204,8 @@ def test_a_failing_tracker_is_warned_of_once_then_left_out(tmp_path, caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "logger.broken failed at step 2" in warnings[0], warnings
     assert "No space left on device" in warnings[0] and "\n" not in warnings[0]
-    assert not [r for r in caplog.records if r.exc_info and r.name != "framework.trackers.traceback"]
-    traceback = [r for r in caplog.records if r.name == "framework.trackers.traceback"]  # run.log's alone (INFO)
+    assert not [r for r in caplog.records if r.exc_info and r.name != "framework.observe.trackers.traceback"]
+    traceback = [r for r in caplog.records if r.name == "framework.observe.trackers.traceback"]  # run.log's alone (INFO)
     assert len(traceback) == 1 and isinstance(traceback[0].exc_info[1], OSError)
     assert json.loads((tmp_path / "trackers.json").read_text())["failed"] == {
         "broken": "OSError: [Errno 28] No space left on device"
@@ -263,7 +263,7 @@ def configure_as_hydra(run_dir: Path) -> None:
 
 
 def configure_as_spawned_worker(run_dir: Path) -> None:
-    from framework.launch import _configure_logging
+    from framework.app.launch import _configure_logging
 
     _configure_logging(0, run_dir)
 
@@ -279,8 +279,8 @@ def test_the_trackers_libraries_log_to_run_log_alone(configure, tmp_path, capfd,
     logging.getLogger("sqlalchemy.pool").warning("pool warning")
     logging.getLogger("alembic.runtime.migration").warning("alembic warning")
     logging.getLogger("wandb").warning("wandb warning")
-    logging.getLogger("framework.trackers.traceback").warning("Traceback of logger.x", exc_info=ValueError("x"))
-    logging.getLogger("framework.trackers").warning("logger.x failed at step 2")
+    logging.getLogger("framework.observe.trackers.traceback").warning("Traceback of logger.x", exc_info=ValueError("x"))
+    logging.getLogger("framework.observe.trackers").warning("logger.x failed at step 2")
     console = capfd.readouterr()
     for handler in logging.getLogger().handlers:
         handler.flush()
@@ -421,7 +421,7 @@ def test_mlflows_default_store_is_beside_the_run_directory_and_a_sweeps_in_its_d
     with their parent run. Nothing is written where the process started."""
     from mlflow import MlflowClient
 
-    from framework.trackers import close_sweep
+    from framework.observe.trackers import close_sweep
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir((tmp_path / "cwd").mkdir() or tmp_path / "cwd")

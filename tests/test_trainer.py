@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import read_scalars
-from framework.task import ClassificationTask, StepOutput
-from framework.metric_logger import TaskHandle
-from framework.trainer import Trainer
+from framework.task.task import ClassificationTask, StepOutput
+from framework.observe.metric_logger import TaskHandle
+from framework.loop.trainer import Trainer
 
 pytestmark = pytest.mark.unit
 
@@ -172,7 +172,7 @@ def test_a_finished_run_frees_everything_it_built(compose, tmp_path):
     C++ threads, destroyed during interpreter shutdown instead, could abort a finished worker with SIGABRT."""
     import gc
 
-    from framework.trainer import train
+    from framework.loop.trainer import train
 
     def alive() -> int:
         return sum(1 for o in gc.get_objects() if type(o) is Trainer)  # isinstance would wake dead weak proxies
@@ -191,14 +191,14 @@ def test_a_training_step_enters_at_most_four_framework_files_beside_the_runs_own
     import sys
 
     framework_dir = str(Path(__file__).resolve().parent.parent / "framework") + "/"
-    components = ("zoo/", "data.py", "metrics.py")
+    components = ("zoo/", "data/", "task/metrics.py")
     steps: list[set[str]] = [set()]
 
     def profile(frame: Any, event: str, _arg: Any) -> None:
         if event != "call" or not frame.f_code.co_filename.startswith(framework_dir):
             return
         name = frame.f_code.co_filename[len(framework_dir):]
-        if name == "trainer.py" and frame.f_code.co_name == "_optimizer_step":
+        if name == "loop/trainer.py" and frame.f_code.co_name == "_optimizer_step":
             steps.append(set())
         if not name.startswith(components):
             steps[-1].add(name)
@@ -212,5 +212,5 @@ def test_a_training_step_enters_at_most_four_framework_files_beside_the_runs_own
         sys.setprofile(None)
     assert len(steps) == 13, len(steps)  # before the first step, 12 steps (the last one runs on to the end)
     middle = set().union(*steps[3:11])  # whole steps, from one optimizer step into the next
-    assert middle <= {"trainer.py", "task.py", "precision.py", "stop.py"}, middle
-    assert {"trainer.py", "task.py", "precision.py"} <= middle, middle
+    assert middle <= {"loop/trainer.py", "task/task.py", "parallel/precision.py", "loop/stop.py"}, middle
+    assert {"loop/trainer.py", "task/task.py", "parallel/precision.py"} <= middle, middle

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from conftest import TESTS, on_pythonpath, one_error_line, output, run_cli
-from framework.task import StepOutput, Task
+from framework.task.task import StepOutput, Task
 
 pytestmark = pytest.mark.e2e
 
@@ -191,7 +191,7 @@ def test_hardware_a_setting_names_must_be_there(tmp_path: Path) -> None:
 
 @pytest.mark.unit
 def test_values_at_the_edges_of_their_ranges_are_accepted(compose) -> None:
-    from framework import config
+    from framework.config import schema as config
 
     for overrides in (("trainer.max_epochs=-1", "trainer.max_steps=10"),
                       ("trainer.max_epochs=0", "trainer.max_steps=1"), ("seed=0",), ("seed=4294967295",),
@@ -266,8 +266,8 @@ def test_first_batch_check_changes_nothing_training_sees(compose, tmp_path: Path
     """A run ends with the same weights (BatchNorm statistics included) with the check as without it: the
     check draws no random number (dropout, worker seeds), updates no statistic and leaves the model wrapped
     and in train mode."""
-    import framework.trainer
-    from framework.trainer import Trainer
+    import framework.loop.trainer
+    from framework.loop.trainer import Trainer
 
     def train(run_dir: Path) -> dict[str, torch.Tensor]:
         trainer = Trainer(compose("logger.progress_bar=false", "trainer.max_steps=5", "trainer.test=false",
@@ -276,7 +276,7 @@ def test_first_batch_check_changes_nothing_training_sees(compose, tmp_path: Path
         return trainer.strategy.unwrap(trainer.task.model).state_dict()
 
     checked = train(tmp_path / "checked")
-    monkeypatch.setattr(framework.trainer, "check_first_batches", lambda *args: [])  # the loop's check, skipped
+    monkeypatch.setattr(framework.loop.trainer, "check_first_batches", lambda *args: [])  # the loop's check, skipped
     unchecked = train(tmp_path / "unchecked")
     assert all(torch.equal(value, unchecked[name]) for name, value in checked.items())
 

@@ -52,7 +52,7 @@ from typing import Mapping, Optional
 # What run.py's process imports before its job starts, and the big imports its run makes (torch.optim's first
 # optimizer imports torch._dynamo; TensorBoard's writer, the checkpoint reader).
 PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.utils.tensorboard", "torch.distributed",
-           "hydra", "omegaconf", "numpy", "framework.cli", "framework.app", "framework.trainer")
+           "hydra", "omegaconf", "numpy", "framework.app.cli", "framework.app.main", "framework.loop.trainer")
 # Read by the interpreter or by torch when they start, so a fork cannot honour a change to them.
 STARTUP_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "LD_PRELOAD", "PYTHONHASHSEED",
                "PYTHONSTARTUP", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "PYTHONOPTIMIZE",
@@ -310,7 +310,7 @@ def _become_run(request: dict, fds: list[int]) -> None:
     multiprocessing.spawn.set_executable(os.path.join(os.path.dirname(_ADDRESS[0]), SPAWNED_EXECUTABLE))
     try:
         if as_module:
-            # A fresh `python -m framework.export` imports its package, then runs the module as __main__ only: a copy
+            # A fresh `python -m framework export` imports its package, then runs the module as __main__ only: a copy
             # the warm process imported would make runpy warn of "unpredictable behaviour", which no real run prints.
             sys.modules.pop(as_module, None)
             runpy.run_module(as_module, run_name="__main__", alter_sys=True)

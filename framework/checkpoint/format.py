@@ -28,7 +28,7 @@ from typing import Any, Optional, TypeGuard
 import torch
 import xxhash
 
-from framework.errors import UserError
+from framework.core.errors import UserError
 
 FORMAT_VERSION = 2  # written; 1 (same layout, CRC-32 checksums) is still read
 SHARDED_VERSION = 3  # written by sharded saves (a file per rank)

@@ -16,12 +16,12 @@ from framework.checkpoint.save import link_checkpoint
 from framework.checkpoint.sharded import Shards, link_sharded
 from framework.checkpoint.validation import _mismatch
 from framework.checkpoint.writer import CheckpointWriter
-from framework.errors import ConfigError
+from framework.core.errors import ConfigError
 
 
 class Snapshot(Protocol):
     """What a checkpoint is made of: `collect()` -> (model weights, training state, meta), as
-    framework.state.TrainingState gives them."""
+    framework.checkpoint.state.TrainingState gives them."""
 
     def collect(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]: ...
 

@@ -7,8 +7,8 @@ from typing import Any, Optional
 
 import torch
 
-from framework import reproducibility
 from framework.checkpoint.format import DamagedCheckpoint, _is_int, _is_number, _key, _keys, _shown
+from framework.core import reproducibility
 
 
 def _mismatch(at: str, saved: Any, live: Any) -> DamagedCheckpoint:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from framework.checkpoint.format import COMPILED_PREFIX, _keys, _kind, plain_keys
 from framework.checkpoint.load import open_checkpoint
-from framework.errors import ConfigError
+from framework.core.errors import ConfigError
 
 _CONVERTIBLE = {
     torch.float16,

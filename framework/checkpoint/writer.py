@@ -16,7 +16,7 @@ import torch
 from framework.checkpoint.format import _join, flatten, unflatten
 from framework.checkpoint.save import write_checkpoint
 from framework.checkpoint.sharded import LocalParts, Ranks, commit_sharded, write_sharded
-from framework.errors import UserError
+from framework.core.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def _host_views(live: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, 
     One buffer outside malloc's heap, not one allocation per tensor in it: the ~120 buffers of a ResNet-18
     state, left in the heap by the first save, were enough to tip glibc's thresholds so that every later
     training step page-faulted its activations again (steps 14-20% slower for the rest of the run; see
-    framework/allocator.py). The buffer is an anonymous memory map; for CUDA tensors the writer pins it
+    framework/parallel/allocator.py). The buffer is an anonymous memory map; for CUDA tensors the writer pins it
     (`_pin`). Not `torch.empty(pin_memory=True)`: torch's caching host allocator rounds that up to a power of
     two and keeps it for the life of the process, after `close()` (a 17 GB state would pin 32 GB for good)."""
     offsets, total = {}, 0

@@ -10,7 +10,7 @@ import numpy as np
 import torchvision
 from torchvision.datasets.utils import check_integrity
 
-from framework.errors import ConfigError
+from framework.core.errors import ConfigError
 
 
 class CIFAR10(torchvision.datasets.CIFAR10):

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from framework.errors import ConfigError
-from framework.reproducibility import generator
+from framework.core.errors import ConfigError
+from framework.core.reproducibility import generator
 
 SPLITS = ("train", "val", "test")
 # torchvision's MNIST wants all four, whichever split it reads.

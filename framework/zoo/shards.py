@@ -23,9 +23,9 @@ import torch
 from PIL import Image
 
 from framework.core import files
-from framework.errors import UserError
-from framework.shards import TarShards
-from framework.streaming import expand_braces
+from framework.core.errors import UserError
+from framework.data.shards import TarShards
+from framework.data.streaming import expand_braces
 from framework.zoo.datasets import digits
 
 USAGE = "python -m framework.zoo.shards DIR"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import TensorDataset
 
-from framework.errors import ConfigError
-from framework.reproducibility import generator
+from framework.core.errors import ConfigError
+from framework.core.reproducibility import generator
 
 
 def classification(

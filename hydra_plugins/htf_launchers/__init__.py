@@ -1,7 +1,7 @@
 """The framework's launchers for Hydra's joblib and submitit plugins: each is the plugin's own launcher, whose `launch`
-outlives its jobs (framework/sweep_launchers.py holds what it does). They live here because Hydra instantiates only
+outlives its jobs (framework/app/sweep_launchers.py holds what it does). They live here because Hydra instantiates only
 launchers of the `hydra_plugins` namespace. A framework sweep launches through the one that extends the launcher its
-config chose (`OUTLIVING`, by `_target_`; framework/sweep.py, SweepSummary). Each is defined only where its plugin
+config chose (`OUTLIVING`, by `_target_`; framework/app/sweep.py, SweepSummary). Each is defined only where its plugin
 is installed (the [sweeps] extra), so that Hydra's scan of this namespace never fails without it. Nothing of the
 framework is imported until a launch: every Hydra application in the environment imports this module."""
 
@@ -27,7 +27,7 @@ else:
         not started run in a new launch."""
 
         def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[Any]:
-            from framework.sweep_launchers import outlive_joblib
+            from framework.app.sweep_launchers import outlive_joblib
 
             return outlive_joblib(self, super().launch, job_overrides, initial_job_idx)
 
@@ -43,7 +43,7 @@ else:
         """Hydra's submitit launcher on this machine: a job that fails or dies costs that job only."""
 
         def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[Any]:
-            from framework.sweep_launchers import job_by_job
+            from framework.app.sweep_launchers import job_by_job
 
             return job_by_job(self, super().launch, job_overrides, initial_job_idx, None)
 
@@ -52,7 +52,7 @@ else:
         of its own, not a task of one array; `array_parallelism` still bounds how many are submitted at once."""
 
         def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[Any]:
-            from framework.sweep_launchers import job_by_job
+            from framework.app.sweep_launchers import job_by_job
 
             return job_by_job(
                 self, super().launch, job_overrides, initial_job_idx, self.params.get("array_parallelism")

@@ -1,0 +1,212 @@
+"""Starting the processes of `parallel=ddp` when no launcher did, and keeping torchrun's ranks in one run.
+
+`python run.py parallel=ddp` spawns one worker per device with torch.multiprocessing (loopback rendezvous
+on a free port); the parent only waits. torch's process context watches the workers: when one fails, the
+others are terminated (SIGTERM, then SIGKILL after a grace period), so a failure never hangs the job.
+Under torchrun the environment is already set and nothing is spawned here.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig
+
+from framework.core.errors import Interrupted, UserError, os_error_line
+from framework.core.runlog import RunLogHandler
+from framework.observe.progress import file_only
+from framework.observe.tensorboard import SUMMARY_LOGGER
+
+log = logging.getLogger(__name__)
+
+GRACE_PERIOD_S = 10.0
+
+
+def rank_zero_only_overrides() -> list[str]:
+    """Hydra overrides for a non-zero rank under torchrun: every rank runs Hydra, and without these each
+    would make its own timestamped run directory. Rank 0 makes the one directory and tells the others."""
+    if os.environ.get("RANK", "0") == "0":
+        return []
+    quiet = ["hydra.output_subdir=null", "hydra/job_logging=quiet"]
+    if any(arg.startswith("hydra.run.dir=") for arg in sys.argv):  # fixed by the user: every rank agrees
+        return quiet
+    return ["hydra.run.dir=.", *quiet]
+
+
+def free_port() -> int:
+    """A port free now, for a test's or a benchmark's own workers; spawn() hosts its store instead (see there)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _host_store(nprocs: int) -> Any:
+    """The workers' rendezvous store, served by this process on a port the OS picks as it binds, and held until
+    they end, as torchrun's agent serves its own. A port found free here and bound by rank 0 seconds later, once
+    it has imported torch, could be taken meanwhile (by a concurrent run, or another one's gloo connections)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False)
+
+
+def _held_while_starting() -> list[signal.Signals]:
+    """Blocked in spawned workers until _worker can act on them: Ctrl-C (which they then ignore: the parent
+    forwards it) and the cluster's signals."""
+    from framework.core.signals import cluster_signals
+
+    return [signal.SIGINT, *cluster_signals()]
+
+
+class WorkerFailed(Exception):
+    """A worker died of a bug (not a user mistake): carries its traceback text."""
+
+
+def spawn(
+    cfg: DictConfig,
+    run_dir: Path,
+    nprocs: int,
+    checkpoint: Optional[Path] = None,
+    hparams: Optional[dict[str, Any]] = None,
+    choices: Optional[dict[str, Any]] = None,
+) -> None:
+    """Run the Trainer in `nprocs` fresh processes and wait; raise the first failure.
+
+    SIGINT and SIGTERM reaching this process are forwarded to the workers as SIGTERM (they ignore SIGINT,
+    so a Ctrl-C in the terminal reaches each of them exactly once); the cluster's signals that
+    `checkpoint.signals` watches (SLURM's USR1, submitit's USR2) are forwarded as they came. With
+    checkpoint.on_signal the workers all stop after the same step and save; a second signal aborts them. This
+    process, not a worker, asks for the requeue afterwards (framework.app.main): a submitit job's handler is here."""
+    import torch.multiprocessing as mp  # imported here: run.py imports this module before any config check
+
+    from framework.core.signals import LATCH, STOP_ONLY, watched
+
+    errors = mp.get_context("spawn").SimpleQueue()
+    store = _host_store(nprocs)
+    args = (nprocs, store.port, cfg, run_dir, checkpoint, hparams, choices, errors)
+    # The workers start with these signals blocked (a signal mask is inherited), so one sent while they import
+    # torch waits until _worker holds it for its training loop, instead of killing a worker that saved nothing.
+    startup_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _held_while_starting())
+    try:
+        context = mp.start_processes(_worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, startup_mask)
+    received: list[int] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGTERM if signum in STOP_ONLY else signum)
+
+    cluster = watched(cfg.checkpoint.signals) if cfg.checkpoint.on_signal else []
+    previous = {sig: LATCH.take_over(sig, forward) for sig in dict.fromkeys([*STOP_ONLY, *cluster])}
+    for sig in LATCH.release(taken_over=previous):  # one that came while this process started: the workers' now
+        forward(sig, None)
+    try:
+        while not context.join(grace_period=GRACE_PERIOD_S):
+            pass
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+        if not errors.empty():
+            rank, message, signum = errors.get()
+            if signum is not None:  # saved on a signal: the parent's own handler (submitit's) may requeue
+                raise Interrupted(signum, message, previous.get(signum)) from None
+            raise UserError(message if nprocs == 1 else f"[rank {rank}] {message}") from None
+        if received:
+            raise KeyboardInterrupt from None
+        raise WorkerFailed(str(err).strip()) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        del store  # served until every worker has ended
+
+
+def _configure_logging(rank: int, run_dir: Path) -> None:
+    """Spawned workers start without Hydra's logging: rank 0 logs like the parent would (conf/hydra/job_logging/
+    framework.yaml: messages on stderr, the closing summary on stdout, both in run.log, and the loggers it sends to
+    run.log alone, at its levels), others stay quiet."""
+    run_log_only = {  # framework.yaml's `loggers:` but framework.summary (tests/test_trackers.py runs both)
+        "framework.observe.trackers.traceback": logging.INFO,
+        "mlflow": logging.INFO,
+        "sqlalchemy": logging.WARNING,
+        "alembic": logging.WARNING,
+        "wandb": logging.INFO,
+    }
+    root = logging.getLogger()
+    root.handlers.clear()
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter("%(message)s"))
+    root.addHandler(console)
+    summary = logging.getLogger(SUMMARY_LOGGER)
+    summary.handlers.clear()
+    summary.propagate = rank != 0
+    if rank == 0:
+        file = RunLogHandler(str(run_dir / "run.log"))
+        file.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        root.addHandler(file)
+        stdout = logging.StreamHandler(sys.stdout)
+        stdout.setFormatter(logging.Formatter("%(message)s"))
+        summary.addHandler(stdout)
+        summary.addHandler(file)
+        for name, level in run_log_only.items():
+            quiet = logging.getLogger(name)
+            quiet.handlers.clear()
+            quiet.addHandler(file)
+            quiet.setLevel(level)
+            quiet.propagate = False
+    root.setLevel(logging.INFO if rank == 0 else logging.ERROR)
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    cfg: DictConfig,
+    run_dir: Path,
+    checkpoint: Optional[Path],
+    hparams: Optional[dict[str, Any]],
+    choices: Optional[dict[str, Any]],
+    errors: Any,
+) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent forwards Ctrl-C as SIGTERM, once
+    from framework.core.signals import LATCH
+
+    LATCH.install()  # then let in what was sent while this process started (spawn blocked it): held for the loop
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _held_while_starting())
+    # A spawned child inherits "spawn" as its default start method (multiprocessing.spawn.prepare), so its
+    # DataLoader workers would each start a fresh interpreter and import torch again (~1.5 s, every epoch
+    # without persistent workers). Back to the platform's default, as a process torchrun started has.
+    multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
+    # The parent serves the store at MASTER_ADDR:MASTER_PORT (_host_store): every rank joins it as a client, as
+    # torchrun's workers join its agent's (torch.distributed.rendezvous reads the same flag).
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    _configure_logging(rank, run_dir)
+    from framework.loop.trainer import train
+
+    try:
+        train(cfg, run_dir, resume_from=checkpoint, hparams=hparams, choices=choices)
+    except UserError as err:  # reported once, by the parent, without a traceback
+        if rank == 0 or not isinstance(err, Interrupted):
+            errors.put((rank, str(err), getattr(err, "signum", None)))
+        sys.exit(1)
+    except OSError as err:  # a full disk, an unwritable folder: one line by the parent, the traceback in run.log
+        file_only("".join(traceback.format_exception(err)).rstrip())
+        errors.put((rank, os_error_line(err), None))
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,140 @@
+"""Restoring a checkpoint into a built run: every registered part checked against this run before any is loaded
+(a checkpoint that does not fit leaves nothing half-restored), then loaded; the checks of the parts whose saved
+form depends on the run (optimizer, precision, callbacks) live here too."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+from omegaconf import DictConfig
+
+from framework.callbacks.base import CallbackList
+from framework.checkpoint import Checkpoint, DamagedCheckpoint, check_compatible, open_checkpoint, validate_state
+from framework.checkpoint.state import TrainingState
+from framework.core.errors import ConfigError
+from framework.optim.groups import apply_changed_options, changed_options, check_optimizer_state
+
+log = logging.getLogger(__name__)
+
+
+def restore(
+    checkpoint: Checkpoint,
+    cfg: DictConfig,
+    state: TrainingState,
+    *,
+    module: Any,
+    strategy: Any,
+    optimizer: Any,
+    scheduler: Any,
+) -> Any:
+    """Load `checkpoint` into the run; returns the task's saved part, which the trainer loads once the task's start
+    hooks ran (a reset there, as lightning-hydra-template does, must not undo the resume)."""
+    where = f"resume={str(checkpoint.path)!r}"
+    if strategy.sharded and not checkpoint.sharded:
+        raise ConfigError(
+            f"{where}: a checkpoint of a run without parallel=fsdp (its weights and state whole) cannot "
+            "be resumed with parallel=fsdp; expected "
+            f"parallel={checkpoint.meta['config'].get('parallel', {}).get('strategy', 'single')}, "
+            "or init_from= for its weights alone"
+        )
+    # A sharded checkpoint is read for this run's ranks: each gets its own part of every sharded tensor.
+    weights = checkpoint.model_state(strategy.mesh)
+    check_compatible(module, weights, where, strict=True)
+    saved = checkpoint.state(strategy.mesh)
+    saved_cfg = checkpoint.meta["config"]
+    same_schedule = (saved_cfg.get("scheduler") or {}).get("_target_") == cfg.scheduler.get("_target_")
+    load_scheduler = same_schedule and isinstance(saved, dict) and bool(saved.get("scheduler"))
+    skip = () if load_scheduler else ("scheduler",)  # scheduler= changed on resume: the new one starts fresh
+    state.check(saved, f"checkpoint {checkpoint.path}", skip)
+    module.load_state_dict(weights)
+    configured = [dict(group) for group in optimizer.param_groups]  # from this run's config
+    state.load(saved, (*skip, "task"))
+    if not same_schedule:  # the new schedule starts here, from its start
+        for group, fresh in zip(optimizer.param_groups, configured):
+            group.update({k: fresh[k] for k in ("lr", "initial_lr") if k in fresh})
+    apply_changed_options(
+        optimizer,
+        scheduler if same_schedule else None,
+        configured,
+        changed_options(saved_cfg.get("optimizer") or {}, cfg.optimizer),
+    )
+    saved_ranks = checkpoint.meta.get("world_size", 1)
+    if checkpoint.sharded and saved_ranks != strategy.world_size and strategy.is_rank_zero:
+        log.warning(
+            "resume: %s was saved by %d processes and is resharded over %d; the data order differs "
+            "from the saved run's from here on",
+            checkpoint.path,
+            saved_ranks,
+            strategy.world_size,
+        )
+    return saved.get("task")
+
+
+def optimizer_check(optimizer: Any) -> Callable[[Any, str], None]:
+    def check(saved: Any, where: str) -> None:
+        validate_state(saved, optimizer.state_dict(), where)
+        problem = check_optimizer_state(saved, optimizer, where)
+        if problem is not None:
+            raise DamagedCheckpoint(problem)
+
+    return check
+
+
+def precision_check(precision: Any) -> Callable[[Any, str], None]:
+    def check(saved: Any, where: str) -> None:
+        live = precision.state_dict()
+        if isinstance(saved, dict) and not saved.get("scaler"):  # saved without a GradScaler (precision changed)
+            live = {**live, "scaler": {}}
+        validate_state(saved, live, where)
+
+    return check
+
+
+def callbacks_check(callbacks: CallbackList) -> Callable[[Any, str], None]:
+    def check(saved: Any, where: str) -> None:
+        validate_state(saved, {}, where)  # a dict, of any names
+        for name, callback in callbacks:
+            if name in saved:
+                validate_state(saved[name], callback.state_dict(), f"{where}/{name}")
+            elif callback.state_dict():
+                log.info("resume: callbacks.%s is new in this run: it starts fresh", name)
+        for name in saved:
+            if name not in callbacks.callbacks and saved[name]:
+                log.warning("resume: %s/%s is not configured in this run; its saved state is not used", where, name)
+
+    return check
+
+
+def load_test_weights(cfg: DictConfig, checkpoints: Any, strategy: Any, module: Any) -> str:
+    """Put into `module` the weights fit's test uses, as trainer.test_ckpt says (Lightning's ckpt_path; by default the
+    best checkpoint's when a monitored top-k keeps one, else the final weights); returns which, for the summary.
+    Rank 0 knows the checkpoints; every rank loads the same."""
+    ck, choice = cfg.checkpoint, cfg.trainer.test_ckpt
+    if choice is None:
+        choice = "best" if ck.monitor and ck.save_top_k != 0 and not cfg.trainer.fast_dev_run else "last"
+    best = checkpoints.best_path() if strategy.is_rank_zero and choice == "best" else None
+    if best is not None and not best.is_dir():  # a run resumed into a new directory: its best is the old run's
+        best = None
+    chosen = strategy.broadcast_object(str(best) if best is not None else None)
+    if chosen is not None:
+        try:
+            checkpoint = open_checkpoint(Path(chosen))
+            weights = checkpoint.model_state(strategy.mesh)
+        except DamagedCheckpoint as err:  # the run itself is fine: its final weights are tested instead
+            if strategy.is_rank_zero:
+                log.warning("trainer.test_ckpt=best: %s; testing the final weights", err)
+            return "last (the best checkpoint is damaged)"
+        module.load_state_dict(weights)
+        if strategy.is_rank_zero:
+            log.info("Testing the best checkpoint's weights (step %d, %s)", checkpoint.step, chosen)
+        return f"best (step {checkpoint.step})"
+    if choice == "best":
+        if strategy.is_rank_zero:
+            log.warning(
+                "trainer.test_ckpt=best: no best checkpoint in this run directory (no validation ran, or the "
+                "best is in the run this one was resumed from): testing the final weights"
+            )
+        return "last (no best checkpoint was saved)"
+    return "last"

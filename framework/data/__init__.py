@@ -1,0 +1,7 @@
+"""The data: a `DataModule` serves map-style datasets (a seeded, sharded, resumable sampler; `module`) and streaming
+ones (`streaming`, WebDataset tar shards in `shards`) behind the same `batches(split, epoch)`, and cuts k folds
+(`folds`)."""
+
+from framework.data.module import DataModule
+
+__all__ = ["DataModule"]

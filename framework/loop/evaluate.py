@@ -1,0 +1,138 @@
+"""One pass over a split with exact metrics over every rank: validation and test share it.
+
+The pass runs the task's step on the unwrapped (for DDP: rank 0's buffers broadcast) module under `no_grad()` and
+`eval()`, over unpadded shards. It sums each step output × batch size on the device and reduces `(sums, count)`
+over the ranks once, so the means are exact whatever the shards' sizes. What the task logs goes to the metric
+logger's `EvalLog`; the task's epoch hooks run after the last batch, before that is computed, as in Lightning;
+then its stateful metrics (`epoch_metrics`, reduced by torchmetrics). Under FSDP a rank with fewer batches runs
+empty ones, so every rank gathers the weights as often as the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Optional
+
+import torch
+
+from framework.loop.build import limit
+from framework.observe.metric_logger import EvalLog, MetricLogger
+from framework.task import hooks as task_hooks
+from framework.task.task import Task, as_step_output
+
+
+def move_to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: move_to(v, device) for k, v in batch.items()}
+    return batch
+
+
+def rows(batch: Any, n: int) -> Any:
+    """The first `n` samples of a batch (every tensor in it cut along its first dimension)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:n]
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(rows(b, n) for b in batch)
+    if isinstance(batch, dict):
+        return {k: rows(v, n) for k, v in batch.items()}
+    return batch
+
+
+class Evaluator:
+    def __init__(
+        self,
+        *,
+        task: Task,
+        model_attr: str,
+        data: Any,
+        strategy: Any,
+        precision: Any,
+        metric_logger: MetricLogger,
+        step_fns: dict[str, Callable[[Any, int], Any]],
+        limits: dict[str, Any],
+        overfit: int,
+    ) -> None:
+        """`limits`: batches per split ("val", "test"; Lightning's limit_*_batches); `overfit`: validate on the
+        first `overfit` training batches instead (trainer.overfit_batches)."""
+        self.task, self.model_attr, self.data, self.strategy = task, model_attr, data, strategy
+        self.precision, self.metric_logger, self.step_fns = precision, metric_logger, step_fns
+        self.limits, self.overfit = limits, overfit
+        self.device = strategy.device
+        self._overfit_kept: Optional[list[Any]] = None
+
+    def overfit_batches(self) -> list[Any]:
+        """trainer.overfit_batches: the first N batches of epoch 0's order, kept, for every epoch's training and
+        validation (as Lightning does; meant for a few batches)."""
+        if self._overfit_kept is None:
+            self._overfit_kept = list(itertools.islice(self.data.batches("train", 0), self.overfit))
+        return self._overfit_kept
+
+    @torch.no_grad()
+    def run(self, split: str, step: int) -> dict[str, float]:
+        """Loss, step metrics, logged values and stateful metrics of `split` ("val" or "test"), logged at `step`."""
+        method = "validation_step" if split == "val" else "test_step"
+        step_fn, where = self.step_fns[method], f"{type(self.task).__name__}.{method}"
+        overfit = bool(self.overfit) and split == "val"
+        available = self.overfit if overfit else self.data.num_batches(split)
+        batches = available if overfit else limit(self.limits[split], available)
+        # A sharded model's forward gathers weights from every rank: a rank with fewer batches runs empty ones.
+        rounds = max(self.strategy.gather_objects(batches)) if self.strategy.collective_forward else batches
+        hook = "validation" if split == "val" else "test"
+        batch_start, batch_end = (
+            getattr(self.task, f"on_{hook}_batch_{when}")
+            if task_hooks.defines(self.task, f"on_{hook}_batch_{when}")
+            else None
+            for when in ("start", "end")
+        )
+        wrapped = getattr(self.task, self.model_attr)
+        setattr(self.task, self.model_attr, self.strategy.for_eval(wrapped))
+        self.task.eval()
+        sums: dict[str, torch.Tensor] = {}
+        count, batch = 0, None
+        try:
+            with self.metric_logger.evaluation(split) as logged:
+                task_hooks.call_if_defined(self.task, f"on_{hook}_epoch_start")
+                data = self.overfit_batches() if overfit else self.data.batches(split)
+                for i, batch in enumerate(itertools.islice(data, batches)):
+                    batch = move_to(batch, self.device)
+                    n = self.metric_logger.batch_n = self.task.batch_size(batch)
+                    if batch_start is not None:
+                        batch_start(batch, i)
+                    with self.precision.autocast():
+                        returned = step_fn(batch, i)
+                    out = as_step_output(returned, where, training=False)
+                    if batch_end is not None:
+                        batch_end(returned, batch, i)
+                    if out is not None:
+                        for name, value in itertools.chain((("loss", out.loss),), out.metrics.items()):
+                            weighted = value.detach().float() * n
+                            sums[name] = sums[name] + weighted if name in sums else weighted
+                    count += n
+                for _ in range(rounds - batches):
+                    self.idle_step(step_fn, batch)
+                task_hooks.call_if_defined(self.task, f"on_{hook}_epoch_end")
+                stateful = {f"{split}/{name}": float(v) for name, v in self.task.epoch_metrics(split).items()}
+        finally:
+            self.task.train()
+            setattr(self.task, self.model_attr, wrapped)
+        outputs, values = logged.finish(self.strategy, self.task, sums, count)
+        metrics = {**outputs, **values, **stateful}
+        self.metric_logger.write(metrics, step)
+        return metrics
+
+    def idle_step(self, step_fn: Callable[[Any, int], Any], batch: Any) -> None:
+        """A step on no samples (`batch` cut to none, or this rank's first training batch), for the collectives
+        of its forward only: under FSDP every rank must gather each unit's weights as often as the others.
+        What it logs is dropped; metrics see no sample."""
+        empty = rows(move_to(batch if batch is not None else self.data.first_batch("train"), self.device), 0)
+        logger = self.metric_logger
+        kept, logger.eval_log = logger.eval_log, EvalLog("idle", self.device)
+        try:
+            with torch.no_grad(), self.precision.autocast():
+                step_fn(empty, 0)
+        finally:
+            logger.eval_log = kept

@@ -1,0 +1,131 @@
+"""The check before training: the first train and val batch through the task once, before anything is logged or
+trained, so that data of the wrong kind, or a model, loss, step output, metric or monitor that does not fit it,
+is one line naming its key (Task.check_batch) instead of a traceback from the first step.
+
+It runs on a throw-away copy of the task sharing the plain module (the task's metrics, buffers and logs never
+see it: unlike Lightning's sanity check, a MaxMetric kept for a best-so-far cannot see a training batch), in eval
+mode, without grad, and with the RNG state put back, so training starts exactly as it would without it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+from framework.checkpoint.state import TaskState
+from framework.core import reproducibility
+from framework.core.errors import ConfigError
+from framework.loop.evaluate import Evaluator, move_to
+from framework.observe.metric_logger import as_tensor
+from framework.task import hooks as task_hooks
+from framework.task.task import StepOutput, Task, step_function, throwaway_copy
+
+log = logging.getLogger(__name__)
+
+
+class _Anything:
+    """Takes any call and does nothing: the check's TensorBoard writer (a step that logs an image works)."""
+
+    def __getattr__(self, _name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+class _QuietLogger:
+    experiment = _Anything()
+
+
+class CheckHandle:
+    """What the task's `trainer` is during the check: its logs are names only, kept to check the monitors
+    against; its logger writes nothing."""
+
+    logger = _QuietLogger()
+    global_step = 0
+    current_epoch = 0
+
+    def __init__(self, is_global_zero: bool) -> None:
+        self.stage, self.is_global_zero = "train", is_global_zero
+        self.callback_metrics: dict[str, float] = {}
+        self.names: list[str] = []
+
+    def log_from_task(self, name: str, value: Any, **_options: Any) -> None:
+        as_tensor(name, value)  # a value of the wrong kind is refused here, before training
+        if self.stage == "val":
+            self.names.append(name)
+
+
+def check_first_batches(
+    task: Task,
+    model_attr: str,
+    evaluator: Evaluator,
+    monitors: dict[str, str],
+    splits: tuple[str, ...] = ("train", "val"),
+) -> list[str]:
+    """Run the check on the first batch of each of `splits` (a test stage checks its own); returns the validation
+    metric names the first val batch showed (for TensorBoard's layout). A monitor naming none of them is refused
+    now when nothing else could log it (the task has no
+    on_validation_epoch_end); otherwise the first validation round decides."""
+    strategy, data = evaluator.strategy, evaluator.data
+    wrapped, rng = getattr(task, model_attr), reproducibility.rng_state()
+    plain = strategy.unwrap(wrapped)
+    setattr(task, model_attr, plain)
+    handle, trainer, kept = CheckHandle(strategy.is_rank_zero), task.trainer, None
+    try:
+        shadow = throwaway_copy(task, plain, handle)
+    except Exception as err:  # noqa: BLE001  (a task holding a lock or a file: checked in place)
+        if strategy.is_rank_zero:
+            log.warning(
+                "The task cannot be copied for the check of its first batches (%s: %s): it is checked in "
+                "place; its metrics and buffers are put back after, its other attributes may keep a trace",
+                type(err).__name__,
+                err,
+            )
+        shadow, task.trainer, kept = task, handle, TaskState(task, model_attr, strategy)
+        saved = kept.local(hooks=False)
+    shadow.eval()
+    names: list[str] = []
+    try:
+        for split in splits:
+            batch = data.first_batch(split) if data.has(split) else None
+            handle.stage = split
+            if batch is None:
+                if data.has(split) and strategy.collective_forward:  # this rank's shard is empty
+                    method = "training_step" if split == "train" else "validation_step"
+                    evaluator.idle_step(step_function(shadow, method), None)
+                    if split == "val":
+                        shadow.epoch_metrics("val")  # synchronised over the ranks, as theirs
+                continue
+            with torch.no_grad(), evaluator.precision.autocast():
+                out = shadow.check_batch(
+                    move_to(batch, evaluator.device), split, input_shape=data.input_shape, num_classes=data.num_classes
+                )
+            if split == "val":
+                names = _val_names(out, shadow, handle.names)
+                _check_monitors(task, monitors, names)
+    finally:
+        if kept is not None:
+            kept.load_state_dict({"rank0": saved}, hooks=False)
+        setattr(task, model_attr, wrapped)
+        task.trainer = trainer
+        task.train()
+        reproducibility.set_rng_state(rng)
+    return names
+
+
+def _val_names(out: Optional[StepOutput], shadow: Task, logged: list[str]) -> list[str]:
+    names = [
+        *(["val/loss"] if out is not None else []),
+        *(f"val/{n}" for n in (out.metrics if out else {})),
+        *logged,
+        *(f"val/{name}" for name in shadow.epoch_metrics("val")),
+    ]
+    return list(dict.fromkeys(names))
+
+
+def _check_monitors(task: Task, monitors: dict[str, str], names: list[str]) -> None:
+    if task_hooks.defines(task, "on_validation_epoch_end"):  # (Lightning allows no self.log in on_validation_end)
+        return
+    for key, monitor in monitors.items():
+        if monitor not in names:
+            raise ConfigError(f"{key}={monitor!r}: no such metric; expected one of {', '.join(names)}")

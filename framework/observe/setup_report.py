@@ -1,0 +1,70 @@
+"""What a user checks before trusting a run, written once it is built: the global batch, the parameter groups
+(`param_groups.json`), the LR plan, the config and TensorBoard's layout and HParams session (a fresh run only), and
+in a dry run the model summary; then the trackers the config chooses are opened (framework/observe/trackers.py), once
+the LR plan, a TensorBoard chart, is written. Printed and written by rank 0 only."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from framework.observe.layout import layout
+from framework.observe.progress import file_only
+from framework.observe.tensorboard import write_json
+from framework.observe.trackers import Trackers
+from framework.optim.groups import describe_groups, format_groups, lr_plan
+
+log = logging.getLogger("framework.loop.trainer")  # the name run.log and the tests know these lines by
+
+# Metrics shown in TensorBoard's HParams tab for every run (read from these scalar tags).
+HPARAM_METRICS = ["val/acc", "val/loss", "best/val/acc", "best/val/loss", "test/acc", "test/loss"]
+
+
+def describe_setup(
+    cfg: DictConfig,
+    parts: Any,
+    *,
+    world_size: int,
+    run_dir: Path,
+    tensorboard: Any,
+    fresh: bool,
+    charts: list[str],
+    hparams: dict[str, Any],
+    model_summary: Optional[str],
+) -> None:
+    """`parts`: the run's Components; `charts`: the metrics TensorBoard's first screen shows."""
+    dry_run = cfg.trainer.dry_run
+    per_device, accumulate = parts.data.batch_size, cfg.trainer.accumulate_grad_batches
+    # In run.log (and param_groups.json); on the console too in a dry run, which is for reading them.
+    say = log.info if dry_run else (lambda msg, *args: file_only(msg % args, log))
+    say(
+        "Global batch: %d per process x %d process%s x %d accumulated = %d samples per optimizer step",
+        per_device,
+        world_size,
+        "es" if world_size > 1 else "",
+        accumulate,
+        per_device * world_size * accumulate,
+    )
+    say("Parameter groups:\n%s", format_groups(parts.optimizer, parts.frozen))
+    plan = lr_plan(parts.scheduler, parts.optimizer, parts.steps_per_epoch) if parts.scheduler else {}
+    write_json(run_dir / "param_groups.json", describe_groups(parts.optimizer))
+    if fresh:  # a resumed run already logged these
+        for name, points in plan.items():
+            for step, lr in points:
+                tensorboard.log_metrics({f"lr_plan/{name}": lr}, step)
+        tensorboard.log_text("config", "```yaml\n" + OmegaConf.to_yaml(cfg, resolve=True) + "```")
+        tensorboard.log_custom_scalars(layout(charts))
+        if hparams:
+            tensorboard.log_hparams(hparams, HPARAM_METRICS)
+    if not dry_run and not cfg.trainer.fast_dev_run:  # runs that keep nothing are tracked nowhere
+        resume_step = tensorboard.purge_step - 1 if tensorboard.purge_step is not None else None
+        tensorboard.trackers = Trackers.open(cfg, run_dir, resume_step)
+    if model_summary is not None:
+        log.info("Model:\n%s", model_summary)
+        for name, points in plan.items():
+            shown = [points[round(i * (len(points) - 1) / 10)] for i in range(11)]
+            log.info("LR plan of group '%s' (step: lr): %s", name, ", ".join(f"{step}: {lr:.4g}" for step, lr in shown))
+        log.info("Dry run: everything built; exiting without training (trainer.dry_run=true).")

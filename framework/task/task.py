@@ -1,0 +1,554 @@
+"""The Lightning-style Task: it holds the model and says what one training, validation or test step computes.
+
+A port of a LightningModule changes its imports and base class: steps take `(batch)` or `(batch, batch_idx)`,
+whichever they declare; `training_step` returns a `StepOutput`, a loss tensor or a dict with `"loss"`; a
+validation or test step may return nothing and log with `self.log` instead; `predict_step` returns the columns a
+predict run writes (a dict of per-sample tensors). `self.log` takes a tensor, a number or
+a torchmetrics `Metric` with Lightning's keyword arguments. Lightning's hooks (`on_train_start`,
+`on_validation_epoch_end`, `on_save_checkpoint`, ...) are called where Lightning calls them (framework/
+task_hooks.py); the ones whose job a config group does here (`configure_optimizers`, ...) are refused at start
+with what replaces them.
+
+A step's loss and `StepOutput.metrics` are averaged over the epoch by the trainer, weighted by batch size, and
+named `<stage>/<name>`. Metrics that a batch average gets wrong (macro-F1, AUROC) are stateful (torchmetrics):
+updated per batch and returned by `epoch_metrics` at the end of the evaluation, or logged as Metric objects.
+
+`check_batch` runs a step once on the first batch of each split before training, on a throw-away copy of the
+task that shares its model, so that data of the wrong kind, a model that does not fit it or a loss that does not
+fit the model is one line naming `data`, `model` or `task` with the shapes seen, not a traceback from inside the
+first step, and the task's own state (metrics, buffers) never sees the check; the steps themselves trust their
+inputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from framework.config.instantiate import FULL_ERROR_HINT, error_line
+from framework.core.errors import ConfigError, UserError
+from framework.task.metrics import Accuracy, is_stateful
+
+# A batch metric `(output, target) -> scalar tensor`, or a stateful torchmetrics.Metric (an nn.Module).
+Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+REDUCE_FX = ("mean", "sum", "max", "min")
+
+
+@dataclass
+class StepOutput:
+    """A step's loss and batch metrics. It reads as Lightning's step output dict too (`outputs["loss"]` in
+    on_train_batch_end), each metric by its name."""
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.loss if key == "loss" else self.metrics[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key == "loss" or key in self.metrics
+
+    def keys(self) -> list[str]:
+        return ["loss", *self.metrics]
+
+
+class AttributeDict(dict):
+    """Lightning's `self.hparams`: a dict whose keys read as attributes."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self[key] = value
+
+
+class Task(nn.Module):
+    """Holds the model: `self.model` (given to the constructor), or, in a port of a LightningModule, the one
+    attribute the built `model` group was given to (`self.net`). The parallel strategy may replace it by a
+    wrapper (DDP) for training only."""
+
+    def __init__(self, model: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        if model is not None:
+            self.model = model
+        self.trainer: Any = None  # the Trainer running this task (set by it); None outside a run
+        self.hparams = AttributeDict()
+
+    def save_hyperparameters(self, *names: str, ignore: Sequence[str] | str = (), logger: bool = True) -> None:
+        """Lightning's: the calling constructor's arguments (or those named) in `self.hparams`. The run's
+        config is what is logged and saved here, so `logger` changes nothing."""
+        frame = inspect.currentframe()
+        caller = frame.f_back if frame is not None else None
+        if caller is None:
+            return
+        info = inspect.getargvalues(caller)
+        ignored = {ignore} if isinstance(ignore, str) else set(ignore)
+        wanted = set(names) or set(info.args[1:]) | ({info.keywords} if info.keywords else set())
+        for name in info.args[1:]:
+            if name in wanted and name not in ignored:
+                self.hparams[name] = info.locals[name]
+        if info.keywords and info.keywords in wanted:
+            self.hparams.update({k: v for k, v in info.locals[info.keywords].items() if k not in ignored})
+
+    def log(
+        self,
+        name: str,
+        value: Any,
+        prog_bar: bool = False,
+        logger: Optional[bool] = None,
+        on_step: Optional[bool] = None,
+        on_epoch: Optional[bool] = None,
+        reduce_fx: Any = "mean",
+        enable_graph: bool = False,
+        sync_dist: bool = False,
+        sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True,
+        batch_size: Optional[int] = None,
+        metric_attribute: Optional[str] = None,
+        rank_zero_only: bool = False,
+    ) -> None:
+        """Lightning's `self.log`, from a step or a hook: a tensor (kept on the device: no sync per step), a
+        number, or a torchmetrics `Metric` (computed, over every rank, and reset at the epoch's or the
+        evaluation's end; at a training logging step, its value over the epoch so far). `name` is logged as given
+        (say `train/foo`); during a test, a `val/` name becomes `test/`. Defaults as in Lightning: in a training
+        step, every logging step (`on_step`) and not as an epoch mean; in training epoch hooks and in validation and
+        test, the epoch's mean, weighted by `batch_size` (by default the batch's). `reduce_fx`: mean, sum, max or
+        min over the epoch. `logger=False`: not written to TensorBoard, but in the summary, the progress bar and
+        what callbacks and monitors see. Evaluation values are always reduced over every rank (`sync_dist` is
+        what happens anyway); `sync_dist_group`, `rank_zero_only`, `enable_graph`, `add_dataloader_idx` and
+        `metric_attribute` change nothing here (see docs/coming_from_lightning.md). Outside a run it does
+        nothing."""
+        if self.trainer is not None:
+            self.trainer.log_from_task(
+                name,
+                value,
+                on_step=on_step,
+                on_epoch=on_epoch,
+                prog_bar=prog_bar,
+                logger=logger is not False,
+                reduce_fx=reduce_fx,
+                batch_size=batch_size,
+            )
+
+    def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:
+        """Lightning's `self.log_dict`: `self.log` of each item, with the same keyword arguments."""
+        for name, value in dictionary.items():
+            self.log(name, value, **kwargs)
+
+    @property
+    def logger(self) -> Any:
+        """The run's TensorBoard logger (`self.logger.experiment` is the SummaryWriter, for images, histograms
+        and text; None on ranks other than 0 and when TensorBoard is off), or None outside a run."""
+        return self.trainer.logger if self.trainer is not None else None
+
+    @property
+    def device(self) -> torch.device:
+        """Lightning's `self.device`: where the task's parameters (else its buffers) are; the CPU without any."""
+        for tensor in itertools.chain(self.parameters(), self.buffers()):
+            return tensor.device
+        return torch.device("cpu")
+
+    @property
+    def global_step(self) -> int:
+        return self.trainer.global_step if self.trainer is not None else 0
+
+    @property
+    def current_epoch(self) -> int:
+        return self.trainer.current_epoch if self.trainer is not None else 0
+
+    def epoch_metrics(self, split: str) -> dict[str, torch.Tensor]:
+        """Stateful metrics (e.g. torchmetrics) of the evaluation of `split` ("val" or "test") that just ended,
+        computed over every batch and every rank, then reset. The trainer calls it on every rank after the
+        last batch, and logs each as `<split>/<name>`. None by default."""
+        return {}
+
+    def on_validation_epoch_end(self) -> None:
+        """After each validation's last batch, on every rank (log images or histograms here through
+        self.logger, or a best-so-far with self.log)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+    def training_step(self, batch: Any, batch_idx: int = 0) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must implement training_step(batch[, batch_idx])")
+
+    def validation_step(self, batch: Any, batch_idx: int = 0) -> Any:
+        return step_function(self, "training_step")(batch, batch_idx)
+
+    def test_step(self, batch: Any, batch_idx: int = 0) -> Any:
+        return step_function(self, "validation_step")(batch, batch_idx)
+
+    def predict_step(self, batch: Any, batch_idx: int = 0) -> Any:
+        """What a predict run writes for a batch (framework/stages/predictions.py): a dict of column name to a tensor
+        with one row per sample (or a list of N str/int/float). By default the model's output for the batch's
+        inputs, as column "output". The caller runs it in eval mode under inference_mode."""
+        return {"output": self(batch_inputs(batch))}
+
+    def batch_size(self, batch: Any) -> int:
+        """Samples in a batch, used to weight epoch averages; the first tensor's length by default."""
+        first = batch[0] if isinstance(batch, (tuple, list)) else batch
+        if isinstance(first, Mapping):
+            first = next(iter(first.values()), None)
+        return len(first) if hasattr(first, "__len__") else 1
+
+    def check_batch(
+        self, batch: Any, split: str, *, input_shape: Optional[Sequence[int]] = None, num_classes: Optional[int] = None
+    ) -> Optional[StepOutput]:
+        """Run the step of `split` on its first batch (`training_step` for "train", `validation_step` for the
+        others; the trainer calls this on a throw-away copy of the task, in eval mode under no_grad) and report
+        what fails as the task's. `input_shape` and `num_classes` are what `data` declares. Returns the step's
+        output (None when a validation step returns nothing), whose metric names the trainer checks the monitors
+        against."""
+        method = "training_step" if split == "train" else "validation_step"
+        name = f"{type(self).__name__}.{method}"
+        try:
+            out = step_function(self, method)(batch, 0)
+        except UserError:
+            raise
+        except Exception as err:
+            raise ConfigError(
+                f"task: {name} on the first {split} batch ({describe(batch)}) raised "
+                f"{error_line(err)}; expected a batch it takes {FULL_ERROR_HINT}"
+            ) from err
+        return as_step_output(out, name, training=split == "train")
+
+
+def batch_inputs(batch: Any) -> Any:
+    """A batch's inputs: the first item of an `(inputs, labels)` pair (or of a 1-tuple), else the batch itself."""
+    return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+
+def _accepts_batch_idx(fn: Callable[..., Any], where: str) -> bool:
+    """Whether a step takes `(batch, batch_idx)` (Lightning's) or `(batch)`; anything else is refused."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return True
+    positional = [
+        p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    required = [p for p in positional if p.default is inspect.Parameter.empty]
+    if not positional or len(required) > 2:
+        shown = ", ".join(p.name for p in params)
+        raise ConfigError(
+            f"task: {where}({shown}): expected {where.rsplit('.', 1)[-1]}(self, batch) or "
+            f"{where.rsplit('.', 1)[-1]}(self, batch, batch_idx)"
+        )
+    return len(positional) >= 2
+
+
+def step_function(task: nn.Module, method: str) -> Callable[[Any, int], Any]:
+    """`task.<method>` as a callable of `(batch, batch_idx)`, whichever of the two the method declares."""
+    fn = getattr(task, method)
+    if _accepts_batch_idx(fn, f"{type(task).__name__}.{method}"):
+        return fn
+    return lambda batch, _batch_idx: fn(batch)
+
+
+def as_step_output(out: Any, where: str, *, training: bool) -> Optional[StepOutput]:
+    """A step's return as a StepOutput: a StepOutput, a loss tensor, or a dict with "loss" (Lightning's; its other
+    keys go to no metric); in evaluation, also None (the step logged what it computes). Anything else, or a loss
+    that is not one floating-point number, is a ConfigError naming the step."""
+    if isinstance(out, StepOutput):
+        result: Optional[StepOutput] = out
+    elif isinstance(out, torch.Tensor):
+        result = StepOutput(out)
+    elif isinstance(out, Mapping) and "loss" in out:
+        result = StepOutput(out["loss"])
+    elif out is None or isinstance(out, Mapping):
+        result = None
+    else:
+        result = StepOutput(out)  # (refused below: not a tensor)
+    if result is None:
+        if training:
+            raise ConfigError(
+                f"task: {where} returned {describe(out)}; expected the loss: a tensor, a dict with "
+                "'loss', or a StepOutput(loss, metrics)"
+            )
+        return None
+    loss = result.loss
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(
+            f"task: {where} returned {describe(out)}; expected the loss: a tensor, a dict with 'loss', "
+            "or a StepOutput(loss, metrics)"
+        )
+    if loss.numel() != 1 or not loss.is_floating_point():
+        raise ConfigError(
+            f"task: {where} gave a loss of {describe(loss)}; expected one floating-point "
+            "number, the loss reduced over the batch"
+        )
+    return result
+
+
+def throwaway_copy(task: Task, model: nn.Module, handle: Any) -> Task:
+    """A copy of `task` whose steps leave no trace in it: its own metrics, buffers and attributes, but the same
+    `model` (`model` is the task's model attribute's value in the copy) and parameters (a check runs under
+    no_grad in eval mode: neither changes), and `handle` for `task.trainer`. A task that cannot be copied
+    (it holds a lock or an open file) is returned itself, with its `trainer` swapped for the handle by the
+    caller."""
+    memo: dict[int, Any] = {id(model): model}
+    if task.trainer is not None:
+        memo[id(task.trainer)] = handle
+    for param in task.parameters():
+        memo[id(param)] = param
+    shadow = copy.deepcopy(task, memo)
+    shadow.trainer = handle
+    return shadow
+
+
+class ClassificationTask(Task):
+    """`(inputs, labels)` batches, a loss (cross-entropy by default) and metrics (accuracy by default).
+
+    A metric is a batch metric (a callable, averaged by the trainer) or a stateful `torchmetrics.Metric`,
+    which gets the model's scores as float32 (its classification metrics turn logits into probabilities
+    themselves) and is computed over the whole split in `epoch_metrics`.
+    """
+
+    def __init__(
+        self, model: nn.Module, loss: Optional[nn.Module] = None, metrics: Optional[Mapping[str, Metric]] = None
+    ) -> None:
+        super().__init__(model)
+        self.loss = loss if loss is not None else nn.CrossEntropyLoss()
+        configured = dict(metrics) if metrics is not None else {"acc": Accuracy()}
+        self.metrics = {name: metric for name, metric in configured.items() if not is_stateful(metric)}
+        stateful: dict[str, Any] = {name: metric for name, metric in configured.items() if is_stateful(metric)}
+        # One copy per split, so that a test never mixes with validation state. Submodules, so .to(device)
+        # moves them (and the task's state, framework/checkpoint/state.py TaskState, saves them).
+        self.stateful_metrics: Any = nn.ModuleDict(
+            {split: nn.ModuleDict(copy.deepcopy(stateful)) for split in ("val", "test")}
+        )
+
+    def training_step(self, batch: Any, batch_idx: int = 0) -> StepOutput:
+        # Training metrics are left out on purpose: the hot path computes only what backward needs.
+        inputs, target = batch
+        return StepOutput(self.loss(self.model(inputs), target))
+
+    def validation_step(self, batch: Any, batch_idx: int = 0) -> StepOutput:
+        return self.evaluation_step(batch, "val")
+
+    def test_step(self, batch: Any, batch_idx: int = 0) -> StepOutput:
+        return self.evaluation_step(batch, "test")
+
+    def predict_step(self, batch: Any, batch_idx: int = 0) -> dict[str, torch.Tensor]:
+        """Each sample's class (int64) and the probabilities of every class (float32, softmax of the scores)."""
+        scores = self(batch_inputs(batch))
+        return {"prediction": scores.argmax(-1), "probabilities": scores.float().softmax(-1)}
+
+    def evaluation_step(self, batch: Any, split: str) -> StepOutput:
+        """A validation ("val") or test ("test") step: override this to change both."""
+        inputs, target = batch
+        output = self.model(inputs)
+        return StepOutput(self.loss(output, target), self.step_metrics(output, target, split))
+
+    def step_metrics(self, output: torch.Tensor, target: torch.Tensor, split: str) -> dict[str, torch.Tensor]:
+        """The batch metrics' values for this batch; the stateful metrics of `split` are updated with it."""
+        stateful = self.stateful_metrics[split]
+        if len(stateful):
+            scores = output.detach().float()  # under bf16/fp16 autocast too, so AUROC ranks as in float32
+            for metric in stateful.values():
+                metric.update(scores, target)
+        return {name: metric(output, target) for name, metric in self.metrics.items()}
+
+    def epoch_metrics(self, split: str) -> dict[str, torch.Tensor]:
+        """Each stateful metric of `split` over every batch since the last call, synchronised over the ranks
+        by torchmetrics (every rank must call this), then reset."""
+        stateful = self.stateful_metrics[split]
+        values = {name: metric.compute() for name, metric in stateful.items()}
+        for metric in stateful.values():
+            metric.reset()
+        return values
+
+    def check_batch(
+        self, batch: Any, split: str, *, input_shape: Optional[Sequence[int]] = None, num_classes: Optional[int] = None
+    ) -> Optional[StepOutput]:
+        """Batch, model output, loss and metrics in turn, each failure named by the key to change."""
+        inputs, target = self._check_pair(batch, split, input_shape)
+        output = self._check_output(inputs, split)
+        shaped = output.dim() >= 2 and target.shape == output.shape[:1] + output.shape[2:]  # (N,) for (N, C)
+        if shaped and not target.is_floating_point() and target.dtype != torch.bool:  # class indices
+            self._check_labels(output, target, split, num_classes)
+        self._check_loss(output, target, split, shaped)
+        self._check_metrics(output, target)
+        return super().check_batch(batch, split)
+
+    def _check_pair(
+        self, batch: Any, split: str, input_shape: Optional[Sequence[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch is (inputs, labels) of tensors, one label per input, inputs of the declared shape."""
+        data = f"data.{split}"
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ConfigError(
+                f"{data}: its first batch is {describe(batch)}; expected (inputs, labels) pairs for "
+                f"{type(self).__name__}, i.e. a dataset whose samples are (input, label) tuples"
+            )
+        inputs, target = batch
+        if not (isinstance(inputs, torch.Tensor) and isinstance(target, torch.Tensor)):
+            raise ConfigError(
+                f"{data}: its first batch is ({describe(inputs)}, {describe(target)}); expected a "
+                "tensor of inputs and one of labels: samples of tensors or numbers (e.g. an int "
+                "label, images through a ToTensor transform)"
+            )
+        if inputs.dim() == 0 or target.dim() == 0 or len(inputs) != len(target):
+            raise ConfigError(
+                f"{data}: its first batch has inputs of {describe(inputs)} and labels of "
+                f"{describe(target)}; expected one label per input, batch first"
+            )
+        sample = list(inputs.shape[1:])
+        if input_shape is not None and sample != list(input_shape):
+            raise ConfigError(
+                f"data.input_shape={list(input_shape)}: the first {split} batch has inputs of "
+                f"{describe(inputs)}, samples of shape {sample}; expected "
+                f"data.input_shape={_cli(sample)} (the model is built for it)"
+            )
+        return inputs, target
+
+    def _check_output(self, inputs: torch.Tensor, split: str) -> torch.Tensor:
+        """The model takes the inputs and returns one row of scores per input."""
+        try:
+            output = self.model(inputs)
+        except UserError:
+            raise
+        except Exception as err:
+            raise self._forward_failed(inputs, split, err) from err
+        if not isinstance(output, torch.Tensor):
+            raise ConfigError(
+                f"model: returned {describe(output)} for inputs of {describe(inputs)}; expected a "
+                "tensor of scores, batch first, for task.loss and task.metrics"
+            )
+        if output.dim() == 0 or len(output) != len(inputs):
+            raise ConfigError(
+                f"model: output of {describe(output)} for inputs of {describe(inputs)}; expected "
+                "one row of scores per input, batch first"
+            )
+        return output
+
+    def _check_loss(self, output: torch.Tensor, target: torch.Tensor, split: str, shaped: bool) -> None:
+        """task.loss takes the output and the labels and returns one number."""
+        data = f"data.{split}"
+        try:
+            loss = self.loss(output, target)
+        except UserError:
+            raise
+        except Exception as err:
+            if shaped and target.dtype != torch.long and hasattr(self.loss, "ignore_index"):  # takes indices
+                raise ConfigError(
+                    f"{data}: labels of {describe(target)} for the model's output of "
+                    f"{describe(output)}: {_name(self.loss)} raised {error_line(err)}; expected "
+                    "class indices of dtype int64 (torch.long)"
+                ) from err
+            raise ConfigError(
+                f"task.loss: {_name(self.loss)} on the model's output of {describe(output)} and "
+                f"labels of {describe(target)} raised {error_line(err)}; expected a loss that "
+                f"takes them {FULL_ERROR_HINT}"
+            ) from err
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ConfigError(
+                f"task.loss: {_name(self.loss)} returned {describe(loss)}; expected one number, "
+                "the loss reduced over the batch (e.g. reduction='mean')"
+            )
+
+    def _check_metrics(self, output: torch.Tensor, target: torch.Tensor) -> None:
+        """Every metric takes the output and the labels (a stateful one on a copy: the step updates the metric)."""
+        metrics: dict[str, Any] = {**self.metrics, **self.stateful_metrics["val"]}
+        for name, metric in metrics.items():
+            try:
+                if is_stateful(metric):  # on a copy: the step below updates the metric itself
+                    copy.deepcopy(metric).update(output.detach().float(), target)
+                else:
+                    metric(output, target)
+            except UserError:
+                raise
+            except Exception as err:
+                raise ConfigError(
+                    f"task.metrics.{name}: {_name(metric)} on the model's output of "
+                    f"{describe(output)} and labels of {describe(target)} raised "
+                    f"{error_line(err)}; expected a metric that takes them {FULL_ERROR_HINT}"
+                ) from err
+
+    def _forward_failed(self, inputs: torch.Tensor, split: str, err: Exception) -> ConfigError:
+        """Inputs of another dtype than the weights are the data's fault; anything else, with inputs of the
+        declared shape, the model's."""
+        weights = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), None)
+        embeds = any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in self.model.modules())
+        if weights is not None and inputs.dtype != weights and not embeds:
+            return ConfigError(
+                f"data.{split}: inputs of {describe(inputs)}, but the model's weights are "
+                f"{_dtype(weights)} and its forward raised {error_line(err)}; expected "
+                f"{_dtype(weights)} inputs (convert them in the dataset, e.g. with a transform)"
+            )
+        return ConfigError(
+            f"model: forward on the first {split} batch, inputs of {describe(inputs)}, raised "
+            f"{error_line(err)}; expected a model built for these inputs (model.input_shape="
+            f"${{data.input_shape}} and its other sizes) {FULL_ERROR_HINT}"
+        )
+
+    def _check_labels(self, output: torch.Tensor, target: torch.Tensor, split: str, num_classes: Optional[int]) -> None:
+        """Class indices out of range, before the loss sees them: on the CPU the loss raises an IndexError, on
+        CUDA a device-side assert ends the process."""
+        ignore = getattr(self.loss, "ignore_index", None)
+        labels = target[target != ignore] if ignore is not None else target
+        if labels.numel() == 0:
+            return
+        low, high = int(labels.min()), int(labels.max())
+        classes = output.shape[1]
+        seen = f"labels of {describe(target)} with values {low}..{high}"
+        if low < 0:
+            ignored = f" (or {ignore}, task.loss.ignore_index)" if ignore is not None else ""
+            raise ConfigError(
+                f"data.{split}: its first batch has {seen}; expected class indices 0..{classes - 1}{ignored}"
+            )
+        if high < classes:
+            return
+        where = f"in the first {split} batch (task.loss: {_name(self.loss)})"
+        if num_classes is not None and high >= num_classes:
+            raise ConfigError(
+                f"data.num_classes={num_classes}: the model's output of {describe(output)} does not "
+                f"fit {seen} {where}; expected data.num_classes >= {high + 1}, one score per class"
+            )
+        raise ConfigError(
+            f"model: output of {describe(output)} does not fit {seen} {where}; expected "
+            f"{num_classes or f'at least {high + 1}'} scores per sample, one per class "
+            "(model.num_classes=${data.num_classes})"
+        )
+
+
+def describe(value: Any) -> str:
+    """A batch, an output or a loss in a few words for messages: `shape (64, 1, 8, 8) float32`, `a tuple of
+    (shape (64,) int64, a list of 64 str)`."""
+    if isinstance(value, torch.Tensor):
+        return f"shape {tuple(value.shape)} {_dtype(value.dtype)}"
+    if isinstance(value, (tuple, list)):
+        if len(value) <= 4 and not all(isinstance(item, (str, int, float)) for item in value):
+            return f"a {type(value).__name__} of ({', '.join(describe(item) for item in value)})"
+        kinds = sorted({type(item).__name__ for item in value})
+        return f"a {type(value).__name__} of {len(value)} {'/'.join(kinds)}"
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} with keys {', '.join(map(str, value))}"
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _cli(values: Sequence[int]) -> str:
+    """A list as typed on the command line (no spaces to quote)."""
+    return f"[{','.join(map(str, values))}]"
+
+
+def _name(obj: Any) -> str:
+    """A loss or metric by name: its class, or its function (also under functools.partial)."""
+    function = getattr(obj, "func", obj)
+    return getattr(function, "__name__", None) or type(obj).__name__
