@@ -51,8 +51,8 @@ def in_use() -> int:
 
 
 def build(mode: str, compose: Callable[..., Any]) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from framework.parallel import activation_checkpointing
     from framework.config.instantiate import build as instantiate
+    from framework.parallel import activation_checkpointing
 
     overrides = [f"parallel.activation_checkpointing={mode}"]
     if mode == "selective":

@@ -118,9 +118,9 @@ def resume_once(name: str, base: Path) -> float:
 def training_cost(reps: int, steps: int, durable: bool, background: bool, quiet_s: float) -> list[float]:
     """Per repetition, (epoch after a save) / (epoch after none) - 1; see the module docstring."""
     import torchvision
+    from realistic import wait_until_quiet
 
     from framework.checkpoint import CheckpointManager
-    from realistic import wait_until_quiet
 
     torch.manual_seed(0)
     model = torchvision.models.resnet18(weights=None, num_classes=10)

@@ -62,8 +62,8 @@ def _worker(rank: int, configs: dict[int, Any], fits: list[tuple[str, int, Optio
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE),
                       LOCAL_WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)
-    from framework.parallel.strategy import DDPStrategy, Strategy
     from framework.loop.trainer import Trainer
+    from framework.parallel.strategy import DDPStrategy, Strategy
 
     framework_no_sync = DDPStrategy.no_sync
     seconds: list[float] = []

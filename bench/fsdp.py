@@ -350,7 +350,7 @@ def compose_lm(*overrides: str) -> Any:
     with open_dict(cfg):
         del cfg["hydra"]
     framework.app.main.resolve_all(cfg)
-    framework.config.schema.validate(cfg)
+    framework.config.validate.validate(cfg)
     OmegaConf.resolve(cfg)
     return cfg
 

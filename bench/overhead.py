@@ -60,7 +60,7 @@ def compose_bench(max_steps: int, device: str, extra: tuple[str, ...] = ()) -> A
     import framework.config.schema
 
     framework.config.schema.register()  # the schemas conf/ is composed against
-    from framework.config import schema as framework_config
+    from framework.config.validate import validate
 
     overrides = ["experiment=bench", f"trainer.max_steps={max_steps}", f"trainer.device={device}", *extra]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -69,7 +69,7 @@ def compose_bench(max_steps: int, device: str, extra: tuple[str, ...] = ()) -> A
     with open_dict(cfg):
         del cfg["hydra"]
     framework.app.main.resolve_all(cfg)
-    framework_config.validate(cfg)
+    validate(cfg)
     return cfg
 
 

@@ -82,8 +82,8 @@ def dataset(num_samples: int) -> torch.utils.data.TensorDataset:
 def train_checkpoint(run_dir: Path, steps: int) -> Any:
     """`python run.py experiment=bench trainer.max_steps=STEPS checkpoint.save_last=true`, in this process; its
     checkpoint as `ckpt=RUN_DIR` finds it."""
-    from framework.stages.evaluate import find_checkpoint
     from framework.loop.trainer import train
+    from framework.stages.evaluate import find_checkpoint
 
     cfg = overhead.compose_bench(steps, "cpu", ("checkpoint.save_last=true",))
     with contextlib.redirect_stdout(io.StringIO()):
@@ -113,19 +113,20 @@ def outputs(scores: torch.Tensor) -> dict[str, torch.Tensor]:
 def framework_runner(run_dir: Path, checkpoint: Any, sizes: tuple[int, ...]) -> Callable[[int, Path], None]:
     """The predict stage as `python run.py predict ckpt=RUN_DIR +data.predict=...` runs it once app.py has
     settled its config (composed here, outside the timed runs)."""
+    from framework.config.validate import check_stage, validate
+
     from framework.app import main as app
-    from framework.config import schema as config
-    from framework.stages import evaluate as stages
     from framework.loop.trainer import train
+    from framework.stages import evaluate as stages
 
     configs = {}
     for n in sizes:
         node = f"{{_target_: predict.dataset, num_samples: {n}}}"
         cfg = overhead.compose_bench(1000, "cpu", ("stage=predict", f"ckpt={run_dir}", f"+data.predict={node}"))
-        config.check_stage(cfg)
+        check_stage(cfg)
         stages.evaluation_only(cfg)
         app.resolve_all(cfg)
-        config.validate(cfg)
+        validate(cfg)
         configs[n] = cfg
 
     def run(n: int, out: Path) -> None:

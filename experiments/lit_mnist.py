@@ -7,7 +7,7 @@ lit_mnist.yaml: Adam, and ReduceLROnPlateau on val/loss). Everything else is the
 config, `save_hyperparameters`, torchmetrics `Accuracy`, `MeanMetric` and `MaxMetric` logged as objects with
 `sync_dist=True`, the resets in `on_train_start`, `val/acc_best` in `on_validation_epoch_end`, `batch_idx`.
 """
-from typing import Any, Dict, Tuple
+from typing import Tuple
 
 import torch
 from torchmetrics import MaxMetric, MeanMetric

@@ -30,7 +30,6 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 from PIL import Image
-
 from warmstart import WarmStarter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,7 +121,8 @@ _COMPOSED: dict[tuple[str, ...], Any] = {}  # this pytest process's composed con
 @pytest.fixture
 def compose() -> Iterator:
     """compose(*overrides) -> the composed DictConfig, exactly as run.py would get it (Hydra's compose API)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     import framework.app.main  # noqa: F401  (the resolvers conf/config.yaml uses)
     import framework.config.schema
@@ -234,13 +234,13 @@ def evaluator_for(task, data, *, run_dir: Path | None = None, overfit: int = 0, 
     without one), the handle its self.log goes through, and the Evaluator validation and test share."""
     import torch
 
-    from framework.loop.evaluate import Evaluator
-    from framework.observe.tensorboard import TensorBoardLogger
-    from framework.observe.metric_logger import MetricLogger, TaskHandle
-    from framework.parallel.strategy import Strategy
-    from framework.parallel.precision import Precision
     from framework.checkpoint.state import Progress
+    from framework.loop.evaluate import Evaluator
     from framework.loop.stop import Stop
+    from framework.observe.metric_logger import MetricLogger, TaskHandle
+    from framework.observe.tensorboard import TensorBoardLogger
+    from framework.parallel.precision import Precision
+    from framework.parallel.strategy import Strategy
     from framework.task.task import step_function
 
     cpu, strategy = torch.device("cpu"), Strategy(torch.device("cpu"))

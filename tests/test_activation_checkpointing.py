@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import RANK_PARALLEL, join_test_ranks
 from omegaconf import OmegaConf
 from torch import nn
 
-from conftest import RANK_PARALLEL, join_test_ranks
 from experiments.lm import TransformerLM
-from framework.parallel import activation_checkpointing
-from framework.config.schema import validate
-from framework.core.errors import ConfigError
 from framework.app.launch import free_port
+from framework.config.validate import validate
+from framework.core.errors import ConfigError
+from framework.parallel import activation_checkpointing
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 pytestmark = [pytest.mark.e2e,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import KILLHOOK, on_pythonpath, output, run_cli
 from safetensors.torch import load_file
 
-from conftest import KILLHOOK, on_pythonpath, output, run_cli
 from framework.checkpoint.format import shard_files
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.distributed]

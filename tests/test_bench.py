@@ -9,10 +9,10 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, read_scalars
-from framework.zoo.synthetic import classification
+
 from framework.loop.trainer import Trainer
+from framework.zoo.synthetic import classification
 
 sys.path.insert(0, str(ROOT / "bench"))
 import handwritten  # noqa: E402

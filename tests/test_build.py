@@ -9,9 +9,9 @@ import pytest
 from omegaconf import OmegaConf
 from torch import nn
 
-from framework.loop.build import build_callbacks, build_task, limit
 from framework.callbacks.base import EarlyStopping, Timer
 from framework.core.errors import ConfigError
+from framework.loop.build import build_callbacks, build_task, limit
 from framework.task.task import Task
 
 pytestmark = pytest.mark.unit

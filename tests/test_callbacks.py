@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import output, read_scalars, run_cli, run_process
 from safetensors.torch import load_file
 
-from conftest import output, read_scalars, run_cli, run_process
 from framework.callbacks.base import Callback, CallbackList, EarlyStopping
 from framework.checkpoint import open_checkpoint
 from framework.loop.trainer import Trainer

@@ -19,15 +19,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import one_error_line, output, read_scalars, replace, run_cli
 from safetensors.torch import load_file
 
-from conftest import one_error_line, output, read_scalars, replace, run_cli
-from framework.checkpoint import (META_FILE, MODEL_FILE, STATE_FILE, CheckpointManager, CheckpointWriter,
-                                  DamagedCheckpoint, UnreadableCheckpoint, check_compatible, find_latest,
-                                  load_weights, open_checkpoint, write_checkpoint)
-from framework.core.errors import ConfigError
-from framework.config.instantiate import build
 from framework.app.resume import find_checkpoint
+from framework.checkpoint import (
+    META_FILE,
+    MODEL_FILE,
+    STATE_FILE,
+    CheckpointManager,
+    CheckpointWriter,
+    DamagedCheckpoint,
+    UnreadableCheckpoint,
+    check_compatible,
+    find_latest,
+    load_weights,
+    open_checkpoint,
+    write_checkpoint,
+)
+from framework.config.instantiate import build
+from framework.core.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 

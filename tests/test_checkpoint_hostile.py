@@ -31,14 +31,28 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
+from conftest import FAST, ROOT, one_error_line, output, replace, run_cli
 from safetensors.torch import load_file, save_file
 
-from conftest import FAST, ROOT, one_error_line, output, replace, run_cli
+from framework.checkpoint import (
+    MAX_META_BYTES,
+    META_FILE,
+    MODEL_FILE,
+    STATE_FILE,
+    CheckpointManager,
+    CheckpointSaveError,
+    DamagedCheckpoint,
+    check_compatible,
+    digest,
+    find_latest,
+    link_checkpoint,
+    load_weights,
+    open_checkpoint,
+    validate_rng_state,
+    validate_state,
+    write_checkpoint,
+)
 from framework.core import reproducibility
-from framework.checkpoint import (MAX_META_BYTES, META_FILE, MODEL_FILE, STATE_FILE, CheckpointManager,
-                                  CheckpointSaveError, DamagedCheckpoint, check_compatible, digest,
-                                  find_latest, link_checkpoint, load_weights, open_checkpoint, validate_rng_state,
-                                  validate_state, write_checkpoint)
 from framework.core.errors import ConfigError, UserError
 
 pytestmark = pytest.mark.unit

@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import CONF, ROOT, one_error_line, output, run_cli
+from framework.config.validate import validate
 from omegaconf import OmegaConf
 
-from conftest import CONF, ROOT, one_error_line, output, run_cli
 from framework.app import cli
-from framework.config import schema as config
 
 pytestmark = pytest.mark.e2e
 
@@ -104,7 +104,7 @@ def test_help_lists_the_groups_options_without_internal_schemas(tmp_path: Path) 
 def test_omegaconf_error_raised_by_our_own_code_is_a_bug_not_a_user_mistake() -> None:
     strict = OmegaConf.create({"model": {}}, flags={"struct": True})
     with pytest.raises(Exception) as ours:
-        config.validate(strict)  # reads cfg.trainer: a ConfigAttributeError raised inside framework/
+        validate(strict)  # reads cfg.trainer: a ConfigAttributeError raised inside framework/
     assert cli.describe(ours.value, []) is None
     with pytest.raises(Exception) as hydras:
         strict.trainer  # the same error, raised outside our code (as while Hydra composes)

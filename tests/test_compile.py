@@ -10,20 +10,19 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import assert_identical, final_state, output, run_cli
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from conftest import assert_identical, final_state, output, run_cli
 from framework.checkpoint import load_weights, open_checkpoint, write_checkpoint
-from framework.checkpoint.weights import accept_plain_keys, check_compatible
 from framework.checkpoint.state import Progress, TrainingState
-from framework.task.task import ClassificationTask
+from framework.checkpoint.weights import accept_plain_keys, check_compatible
 from framework.loop.trainer import Trainer, train
+from framework.task.task import ClassificationTask
 
 pytestmark = pytest.mark.unit  # the compiled runs below are e2e: inductor runs the C++ compiler in a process
 

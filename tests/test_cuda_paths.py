@@ -17,15 +17,15 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import ROOT, output, run_cli
+from framework.config.validate import validate
 from omegaconf import OmegaConf
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from conftest import ROOT, output, run_cli
-from framework.config import schema as config
 from framework.core.errors import ConfigError
-from framework.parallel.strategy import DataParallelStrategy, FSDPStrategy, Strategy, build_strategy, default_backend
 from framework.parallel.precision import Precision
+from framework.parallel.strategy import DataParallelStrategy, FSDPStrategy, Strategy, build_strategy, default_backend
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -171,12 +171,12 @@ def test_fp16_step_reads_the_scale_once_and_still_tells_a_skipped_step():
 @pytest.mark.unit
 def test_dp_with_compile_is_refused_in_one_line_naming_both_keys(compose):
     with pytest.raises(ConfigError) as err:
-        config.validate(compose("parallel=dp", "trainer.compile=true"))
+        validate(compose("parallel=dp", "trainer.compile=true"))
     message = str(err.value)
     assert message.startswith("trainer.compile=true: expected false with parallel=dp"), message
     assert "\n" not in message
-    config.validate(compose("parallel=dp"))
-    config.validate(compose("trainer.compile=true"))
+    validate(compose("parallel=dp"))
+    validate(compose("trainer.compile=true"))
 
 
 # ---------------------------------------------------------------------------------------------- items 5, 10: devices
@@ -212,7 +212,7 @@ def expected_precision(mode: str) -> str:
     return {"fp32": "fp32", "bf16": "bf16-autocast", "fp16": "fp16-autocast+gradscaler"}[mode]
 
 
-# fsdp refuses fp16 (config.validate): its GradScaler would not see gradients sharded over ranks.
+# fsdp refuses fp16 (validate): its GradScaler would not see gradients sharded over ranks.
 MATRIX = [(s, p) for s in ("single", "dp", "ddp", "fsdp") for p in ("fp32", "bf16", "fp16")
           if (s, p) != ("fsdp", "fp16")]
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework.stages import export
-from framework.core import reproducibility
 from framework.checkpoint import CheckpointWriter, open_checkpoint, validate_rng_state
+from framework.core import reproducibility
 from framework.core.errors import UserError
+from framework.stages import export
 
 pytestmark = [pytest.mark.unit, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

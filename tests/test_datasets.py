@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_cifar10, make_image_folder, make_mnist, one_error_line, output, run_cli, write_idx
-from framework.zoo.datasets import digits
-from framework.data.module import DataModule
-from framework.core.errors import ConfigError
+
 from framework.config.instantiate import build
+from framework.core.errors import ConfigError
+from framework.data.module import DataModule
+from framework.zoo.datasets import digits
 
 pytestmark = pytest.mark.unit
 

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import final_state, output, run_cli
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from conftest import final_state, output, run_cli
 from framework.app.launch import free_port
-from framework.parallel.strategy import DDPStrategy
 from framework.loop.trainer import Trainer
+from framework.parallel.strategy import DDPStrategy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 

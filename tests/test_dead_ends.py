@@ -16,9 +16,19 @@ from typing import Any
 
 import pytest
 import yaml
+from conftest import (
+    KILLHOOK,
+    TESTS,
+    fingerprint,
+    make_image_folder,
+    make_mnist,
+    on_pythonpath,
+    one_error_line,
+    output,
+    run_cli,
+    saved_config,
+)
 
-from conftest import (KILLHOOK, TESTS, fingerprint, make_image_folder, make_mnist, on_pythonpath, one_error_line,
-                      output, run_cli, saved_config)
 from framework.zoo.models import MLP
 
 pytestmark = pytest.mark.e2e

@@ -8,12 +8,13 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+from conftest import one_error_line, output, run_cli
+from framework.config.validate import validate
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from conftest import one_error_line, output, run_cli
-from framework.config import schema as config
-from framework.config.schema import LIGHTNING_NAMES, TrainerConfig
+from framework.config.hints import LIGHTNING_NAMES, check_closed_keys
+from framework.config.schema import TrainerConfig
 from framework.core.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -45,7 +46,7 @@ def test_each_debug_option_composes_its_settings_and_passes_validation(compose, 
     assert hydra.job_logging.root.level == "DEBUG"
     assert hydra.run.dir.startswith("outputs/debug/digits_mlp/"), hydra.run.dir
     assert hydra.sweep.dir.startswith("outputs/debug/digits_mlp/multirun/"), hydra.sweep.dir
-    config.validate(cfg)
+    validate(cfg)
 
 
 def test_debug_wins_over_an_experiment_and_the_command_line_over_both(compose) -> None:
@@ -54,7 +55,7 @@ def test_debug_wins_over_an_experiment_and_the_command_line_over_both(compose) -
     assert HydraConfig.get().run.dir.startswith("outputs/digits_mlp/")
     cfg = compose("experiment=lm", "debug=overfit")  # lm: max_steps 200, limit_val_batches 8
     assert cfg.trainer.max_steps == -1 and cfg.trainer.limit_val_batches == 1.0 and cfg.trainer.overfit_batches == 3
-    config.validate(cfg)
+    validate(cfg)
     cfg = compose("debug=limit", "trainer.max_epochs=1", "trainer.device=auto")
     assert cfg.trainer.max_epochs == 1 and cfg.trainer.device == "auto" and cfg.trainer.limit_train_batches == 5
 
@@ -117,7 +118,7 @@ def test_a_bad_value_of_a_lightning_key_is_one_error_line(tmp_path: Path, overri
     ("trainer.test_ckpt=null", "checkpoint=none"),
 ], ids=" ".join)
 def test_values_at_the_edges_of_the_lightning_keys_are_accepted(compose, overrides: tuple[str, ...]) -> None:
-    config.validate(compose(*overrides))
+    validate(compose(*overrides))
 
 
 # ---------------------------------------------------------------- hints for Lightning's argument names
@@ -129,7 +130,7 @@ def hint_for(cfg: DictConfig, key: str, value: object = 1) -> str:
         node[name] = value
     try:
         with pytest.raises(ConfigError) as raised:
-            config.check_closed_keys(cfg)
+            check_closed_keys(cfg)
     finally:
         with open_dict(node):
             del node[name]
@@ -146,7 +147,7 @@ def key_exists(cfg: DictConfig, key: str) -> bool:
 def test_the_table_holds_no_key_of_ours_and_its_keys_exist(compose) -> None:
     """A name the trainer defines is never hinted (min_epochs, overfit_batches, detect_anomaly: real now)."""
     cfg = compose("trainer.min_epochs=2", "trainer.overfit_batches=2", "trainer.detect_anomaly=true")
-    config.validate(cfg)
+    validate(cfg)
     assert not set(LIGHTNING_NAMES) & TRAINER_KEYS
     for name, home in LIGHTNING_NAMES.items():
         for key in {home.key, *dict(home.by_value).values()} - {None}:
@@ -202,7 +203,7 @@ HINTS = [
 @pytest.mark.parametrize("override, says", HINTS, ids=[override for override, _ in HINTS])
 def test_both_ways_of_typing_a_lightning_name_print_its_hint(tmp_path: Path, override: str, says: str) -> None:
     """Without `+` Hydra refuses the key while composing (cli.py reports it); with `+` it composes, and
-    config.validate refuses it: the same hint either way."""
+    validate refuses it: the same hint either way."""
     run_dir = tmp_path / "run"
     proc = run_cli(run_dir, override, fast=False)
     line = one_error_line(proc)

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from framework.observe.tensorboard import TensorBoardLogger
-from framework.observe.metric_logger import MetricLogger, TaskHandle
-from framework.parallel.strategy import Strategy
 from framework.checkpoint.state import Progress
 from framework.loop.stop import Stop
+from framework.observe.metric_logger import MetricLogger, TaskHandle
+from framework.observe.tensorboard import TensorBoardLogger
+from framework.parallel.strategy import Strategy
 from framework.task.task import Task
 
 pytestmark = pytest.mark.unit

@@ -12,7 +12,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import one_error_line, output, read_scalars, run_cli
 
 pytestmark = pytest.mark.e2e

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import evaluator_for, read_scalars, tiny_data
 from torch import nn
 
-from conftest import evaluator_for, read_scalars, tiny_data
 from framework.task.task import StepOutput, Task
 
 pytestmark = pytest.mark.unit

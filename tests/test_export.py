@@ -14,15 +14,13 @@ import numpy as np
 import onnxruntime
 import pytest
 import torch
+from conftest import ROOT, TESTS, make_mnist, on_pythonpath, output, run_cli, run_process
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from conftest import ROOT, TESTS, make_mnist, on_pythonpath, output, run_cli, run_process
-from framework.stages import export
-from framework.stages import export_example
-from framework.stages import export_onnx
-from framework.core.errors import UserError
 from framework.config.instantiate import build
+from framework.core.errors import UserError
+from framework.stages import export, export_example, export_onnx
 from framework.zoo.models import MLP
 
 # TorchScript is deprecated upstream

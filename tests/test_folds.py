@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, output, run_process
 from torch.utils.data import Dataset, IterableDataset, Subset, TensorDataset
 
-from conftest import ROOT, output, run_process
+from framework.core.errors import ConfigError
 from framework.data import folds
 from framework.data.module import DataModule, TensorBatches
-from framework.core.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 

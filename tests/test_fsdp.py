@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import KILLHOOK, on_pythonpath, output, run_cli
 from safetensors.torch import load_file
 
-from conftest import KILLHOOK, on_pythonpath, output, run_cli
-from framework.stages import export
 from framework.checkpoint import DamagedCheckpoint, find_latest, open_checkpoint
 from framework.checkpoint.format import shard_files
+from framework.stages import export
 from framework.zoo.models import MLP
 
 pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")]  # export's TorchScript

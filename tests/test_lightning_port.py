@@ -9,7 +9,6 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from conftest import KILLHOOK, assert_identical, final_state, on_pythonpath, output, read_scalars, run_cli
 
 pytestmark = pytest.mark.e2e

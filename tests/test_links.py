@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-
 from conftest import ROOT, one_error_line, output, run_cli, run_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

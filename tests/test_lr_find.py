@@ -9,11 +9,10 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, output, read_scalars, run_cli, run_process
-from framework.stages import lr_find
-from framework.stages import lr_plot
+
 from framework.core.errors import ConfigError
+from framework.stages import lr_find, lr_plot
 
 pytestmark = pytest.mark.unit
 
@@ -83,14 +82,14 @@ def test_accumulating_two_batches_of_32_draws_the_curve_of_batches_of_64_and_a_s
     ("ckpt=outputs", "ckpt='outputs': expected null with lr_find"),
 ])
 def test_bad_lr_find_settings_are_one_line_naming_the_key(compose, override, said):
-    from framework.config.schema import validate
+    from framework.config.validate import validate
 
     with pytest.raises(ConfigError, match="^" + re.escape(said)):
         validate(compose("stage=lr_find", override))
 
 
 def test_a_range_that_ends_below_its_start_names_both_ends(compose):
-    from framework.config.schema import validate
+    from framework.config.validate import validate
 
     with pytest.raises(ConfigError) as refused:
         validate(compose("stage=lr_find", "lr_find.max_lr=0.1", "lr_find.min_lr=1"))

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 import torch
-
 from conftest import read_scalars
+
 from framework.callbacks.base import Callback, CallbackList
-from framework.parallel.memory import PeakMemory, model_devices
 from framework.loop.trainer import Trainer
+from framework.parallel.memory import PeakMemory, model_devices
 
 pytestmark = pytest.mark.unit
 BIG_MB = 512  # well above the resident set's noise; over glibc's mmap threshold, so freeing it unmaps it

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import RANK_PARALLEL, join_test_ranks
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 from torch import nn
 
-from conftest import RANK_PARALLEL, join_test_ranks
 from experiments.lm import TransformerLM
-from framework.parallel import meta_init
 from framework.app.launch import free_port
+from framework.parallel import meta_init
 from framework.zoo.models import MLP
 
 pytestmark = pytest.mark.unit

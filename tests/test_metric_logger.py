@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import read_scalars
 from torch import nn
 
-from conftest import read_scalars
-from framework.core.errors import ConfigError, UserError
-from framework.observe.tensorboard import TensorBoardLogger
-from framework.observe.metric_logger import OWN_LOSS, MetricLogger, TaskHandle, TrainLog, stage_name
 from framework.checkpoint.state import Progress
+from framework.core.errors import ConfigError, UserError
 from framework.loop.stop import Stop
+from framework.observe.metric_logger import OWN_LOSS, MetricLogger, TaskHandle, TrainLog, stage_name
+from framework.observe.tensorboard import TensorBoardLogger
 from framework.parallel.strategy import Strategy
 from framework.task.task import Task
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import output, run_cli
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from PIL import Image
@@ -17,11 +18,10 @@ from safetensors.torch import load_file
 from torch import nn
 from torchmetrics.classification import MulticlassAUROC, MulticlassF1Score
 
-from conftest import output, run_cli
-from framework.zoo.datasets import digits
 from framework.core.errors import ConfigError
 from framework.task.metrics import Accuracy
 from framework.task.task import ClassificationTask
+from framework.zoo.datasets import digits
 
 pytestmark = pytest.mark.unit
 

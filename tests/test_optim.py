@@ -7,13 +7,13 @@ import warnings
 
 import pytest
 import torch
+from conftest import read_scalars
 from omegaconf import OmegaConf
 from torch import nn
 
-from conftest import read_scalars
 from framework.core.errors import ConfigError
-from framework.optim.groups import build_optimizer, build_scheduler, describe_groups, lr_plan
 from framework.loop.trainer import Trainer
+from framework.optim.groups import build_optimizer, build_scheduler, describe_groups, lr_plan
 
 pytestmark = pytest.mark.unit
 

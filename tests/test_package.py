@@ -21,9 +21,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from safetensors.torch import load_file
-
 from conftest import ROOT, assert_identical, final_state, output
+from safetensors.torch import load_file
 
 import framework
 

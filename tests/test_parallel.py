@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import ROOT, output
 from safetensors.torch import load_file, save_file
 
-from conftest import ROOT, output
 from framework.app.launch import _host_store
-from framework.task.task import ClassificationTask, StepOutput
 from framework.loop.trainer import Trainer
+from framework.task.task import ClassificationTask, StepOutput
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 

@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 import torch
-
 from conftest import read_scalars
+
+from framework.loop.trainer import Trainer
 from framework.parallel.precision import Precision
 from framework.task.task import ClassificationTask, StepOutput
-from framework.loop.trainer import Trainer
 
 pytestmark = pytest.mark.unit
 

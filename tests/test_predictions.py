@@ -20,8 +20,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from framework.data.module import DataModule, EpochSampler
 from framework.core.errors import ConfigError, UserError
+from framework.data.module import DataModule, EpochSampler
 from framework.stages.predictions import PredictionWriter, merge, part_files, predict_indices
 from framework.task.task import ClassificationTask, Task, step_function
 

@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import evaluator_for, tiny_data
 from torch import nn
 
-from conftest import evaluator_for, tiny_data
 from framework.core.errors import ConfigError
-from framework.task.metrics import metric_state
 from framework.loop.preflight import check_first_batches
+from framework.task.metrics import metric_state
 from framework.task.task import StepOutput, Task
 
 pytestmark = pytest.mark.unit

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import output, read_scalars, run_cli
+from framework.config.validate import validate
 from torch import nn
 
-from conftest import output, read_scalars, run_cli
-from framework.config import schema as config
 from framework.core.errors import ConfigError
+from framework.loop.trainer import Trainer
+from framework.observe.profiler import PHASES, Profiler, SimpleProfiler, cap_trace
 from framework.observe.tensorboard import print_summary
 from framework.parallel.strategy import Strategy
-from framework.observe.profiler import PHASES, Profiler, SimpleProfiler, cap_trace
-from framework.loop.trainer import Trainer
 
 pytestmark = pytest.mark.unit
 
@@ -115,7 +115,7 @@ def test_a_run_shorter_than_the_window_writes_no_trace_and_says_so(compose, tmp_
 ])
 def test_a_bad_profiler_setting_is_one_line_naming_it(compose, override, expected):
     with pytest.raises(ConfigError) as err:
-        config.validate(compose(override))
+        validate(compose(override))
     assert str(err.value).startswith(expected), str(err.value)
 
 

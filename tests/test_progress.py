@@ -7,10 +7,8 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, output, run_cli
 
 pytestmark = pytest.mark.e2e

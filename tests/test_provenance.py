@@ -14,8 +14,8 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-
 from conftest import FAST, ROOT, TESTS, on_pythonpath, output, run_cli
+
 from framework.app import launch
 from framework.observe import provenance
 from framework.observe.tensorboard import SUMMARY_LOGGER, print_summary

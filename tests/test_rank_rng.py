@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from framework.core import reproducibility
 from framework.checkpoint import DamagedCheckpoint, open_checkpoint, validate_rng_state, write_checkpoint
+from framework.core import reproducibility
 from framework.data.module import DataModule
 
 pytestmark = pytest.mark.unit

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import KILLHOOK, ROOT, TESTS, assert_identical, final_state, on_pythonpath, output, run_cli
+
 from framework.task.task import ClassificationTask, StepOutput
 
 pytestmark = pytest.mark.e2e

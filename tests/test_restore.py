@@ -9,16 +9,16 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import replace
 from omegaconf import OmegaConf
 from torch import nn
 
-from conftest import replace
 from framework.callbacks.base import CallbackList, EarlyStopping
 from framework.checkpoint import MODEL_FILE, CheckpointManager, DamagedCheckpoint, open_checkpoint, write_checkpoint
-from framework.parallel.strategy import Strategy
-from framework.parallel.precision import Precision
 from framework.checkpoint.restore import callbacks_check, load_test_weights, optimizer_check, precision_check, restore
 from framework.checkpoint.state import Progress, TrainingState
+from framework.parallel.precision import Precision
+from framework.parallel.strategy import Strategy
 
 pytestmark = pytest.mark.unit
 CPU = torch.device("cpu")

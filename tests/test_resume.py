@@ -14,9 +14,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import (
+    ROOT,
+    TESTS,
+    assert_identical,
+    final_state,
+    on_pythonpath,
+    one_error_line,
+    output,
+    read_scalars,
+    run_cli,
+    run_process,
+    saved_config,
+)
 
-from conftest import (ROOT, TESTS, assert_identical, final_state, on_pythonpath, one_error_line, output,
-                      read_scalars, run_cli, run_process, saved_config)
 from framework.checkpoint import open_checkpoint
 from framework.task.task import ClassificationTask, StepOutput
 
@@ -270,12 +281,12 @@ def test_a_recorded_interpolation_comes_back_only_where_it_gives_the_value_saved
     or that calls a resolver (`name`), is not followed; the true ones are, so the new shards reach data.train."""
     from omegaconf import OmegaConf
 
-    from framework.config import schema as config
     from framework.app.resume import SavedRun, _saved_interpolations, as_data, resumed_config
+    from framework.config.interpolation import interpolations
 
     first = compose("data=webdataset", "data.train_shards='old'")
     values = OmegaConf.to_container(first, resolve=True)
-    record = {**config.interpolations(first), "data.val.root": "${data.train_shards}", "name": "${oc.env:HOME}"}
+    record = {**interpolations(first), "data.val.root": "${data.train_shards}", "name": "${oc.env:HOME}"}
     saved = SavedRun("c", Path("c"), as_data(values), values, {"data": "webdataset"}, True)
     saved.interpolations = _saved_interpolations(record)  # what a checkpoint's meta.json gives saved_run
     assert "name" not in saved.interpolations

@@ -29,10 +29,20 @@ from typing import Callable
 
 import pytest
 import torch
+from conftest import (
+    CONF,
+    KILLHOOK,
+    ROOT,
+    assert_identical,
+    final_state,
+    make_cifar10,
+    make_image_folder,
+    make_mnist,
+    on_pythonpath,
+    output,
+    run_cli,
+)
 from omegaconf import DictConfig, OmegaConf
-
-from conftest import (CONF, KILLHOOK, ROOT, assert_identical, final_state, make_cifar10, make_image_folder,
-                      make_mnist, on_pythonpath, output, run_cli)
 
 pytestmark = pytest.mark.e2e
 

@@ -9,8 +9,8 @@ import sys
 import time
 
 import pytest
-
 from conftest import ROOT, fingerprint, one_error_line, output, run_cli
+
 from framework.app.rundir import LOCK_FILE, RunDirLock
 
 pytestmark = pytest.mark.e2e

@@ -8,13 +8,13 @@ import logging
 
 import pytest
 import torch
-
 from conftest import read_scalars
+
 from framework.loop.build import build_components
+from framework.observe.setup_report import describe_setup
 from framework.observe.tensorboard import TensorBoardLogger
 from framework.optim.groups import lr_plan
 from framework.parallel.strategy import Strategy
-from framework.observe.setup_report import describe_setup
 
 pytestmark = pytest.mark.unit
 

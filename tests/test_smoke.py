@@ -1,7 +1,6 @@
 import json
 
 import pytest
-
 from conftest import output, read_scalars, run_cli
 
 pytestmark = pytest.mark.e2e

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, fingerprint, one_error_line, output, read_scalars, replace, run_cli, run_process
 
 pytestmark = pytest.mark.e2e
@@ -225,9 +224,8 @@ def test_a_predict_killed_midway_and_run_again_keeps_its_chunks_and_ends_with_th
 
 
 def test_predict_over_a_folder_of_unlabelled_pngs(tmp_path):
-    from PIL import Image
-
     from conftest import make_image_folder
+    from PIL import Image
 
     make_image_folder(tmp_path / "data", {"train": ("cat", "dog"), "val": ("cat", "dog")}, per_class=4)
     run = tmp_path / "run"

@@ -8,12 +8,12 @@ import signal
 import pytest
 import torch
 
-from framework.observe.tensorboard import TensorBoardLogger
-from framework.observe.metric_logger import MetricLogger, TaskHandle
-from framework.parallel.strategy import Strategy
-from framework.core.signals import SignalWatch
 from framework.checkpoint.state import Progress
+from framework.core.signals import SignalWatch
 from framework.loop.stop import Stop
+from framework.observe.metric_logger import MetricLogger, TaskHandle
+from framework.observe.tensorboard import TensorBoardLogger
+from framework.parallel.strategy import Strategy
 
 pytestmark = pytest.mark.unit
 CPU = torch.device("cpu")

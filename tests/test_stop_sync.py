@@ -17,9 +17,9 @@ from typing import Any, Optional
 import pytest
 import torch.multiprocessing as mp
 
-from framework.parallel.strategy import DDPStrategy
 from framework.checkpoint.state import Progress
 from framework.loop.stop import Stop
+from framework.parallel.strategy import DDPStrategy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 HOLD_S = 20  # how long rank 1 waits for rank 0 to leave a step's agreement alone; it should take milliseconds

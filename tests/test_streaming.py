@@ -11,15 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import one_error_line, output, run_process
 from torch.utils.data import IterableDataset
 
-from framework.data.module import DataModule
-from framework.core.errors import ConfigError
 from framework.checkpoint.state import Progress
+from framework.core.errors import ConfigError
+from framework.data.module import DataModule
 from framework.data.shards import TarShards, TokenShards, tar_shards
 from framework.data.streaming import StreamState, epoch_order, expand_braces, rank_block
 from framework.zoo.shards import png, write_tar
-from conftest import one_error_line, output, run_process
 
 pytestmark = pytest.mark.unit
 
@@ -268,13 +268,13 @@ def test_a_token_stream_is_windows_within_members_written_once_from_the_stdlib(t
 
 
 def test_the_webdataset_preset_composes_and_a_shuffle_buffer_below_one_is_refused(compose):
-    from framework.config import schema as config
+    from framework.config.validate import validate
 
     cfg = compose("data=webdataset", "data.train_shards='d/train-{000000..000009}.tar'")
     assert cfg.data.train.shards == "d/train-{000000..000009}.tar" and cfg.data.val.shards is None
-    config.validate(cfg)
+    validate(cfg)
     with pytest.raises(ConfigError, match=r"data.shuffle_buffer=0.*>= 1"):
-        config.validate(compose("data=webdataset", "data.train_shards=x", "data.shuffle_buffer=0"))
+        validate(compose("data=webdataset", "data.train_shards=x", "data.shuffle_buffer=0"))
 
 
 SHARDS = ("data.train_shards='d/train-{000000..000009}.tar'", "data.val_shards='d/val-{000000..000001}.tar'",

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import KILLHOOK, assert_identical, final_state, on_pythonpath, one_error_line, output, run_cli
+
 from framework.zoo.shards import png, write_tar
 
 pytestmark = pytest.mark.e2e

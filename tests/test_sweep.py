@@ -18,8 +18,8 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-
 from conftest import ROOT, output, run_process
+
 from framework.observe.metric_logger import TaskHandle
 from framework.task.task import ClassificationTask, StepOutput
 

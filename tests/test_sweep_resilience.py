@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import ROOT, TESTS, on_pythonpath, output, run_process
+
 from framework.observe.metric_logger import TaskHandle
 from framework.task.task import ClassificationTask, StepOutput
 

@@ -26,12 +26,12 @@ from conftest import output, read_scalars, run_cli
 from torch import nn
 from torch.nn import functional as F
 
-from framework.task import hooks as task_hooks
 from framework.callbacks.base import Callback
 from framework.checkpoint import open_checkpoint
 from framework.core.errors import ConfigError
-from framework.task.task import StepOutput, Task
 from framework.loop.trainer import Trainer
+from framework.task import hooks as task_hooks
+from framework.task.task import StepOutput, Task
 
 pytestmark = pytest.mark.unit
 

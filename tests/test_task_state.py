@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from framework.checkpoint import DamagedCheckpoint
-from framework.parallel.strategy import Strategy
 from framework.checkpoint.state import TaskState
+from framework.parallel.strategy import Strategy
 from framework.task.task import Task
 
 pytestmark = pytest.mark.unit

@@ -14,11 +14,12 @@ from typing import Iterator
 
 import numpy as np
 import pytest
-
 from conftest import on_pythonpath, one_error_line, output, read_scalars, run_cli
-from framework.config.schema import ConfigError, validate
-from framework.observe.wandb_tracker import history, records, run_files
+
+from framework.core.errors import ConfigError
+from framework.config.validate import validate
 from framework.observe.trackers import finish
+from framework.observe.wandb_tracker import history, records, run_files
 
 pytestmark = pytest.mark.e2e
 

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
+from conftest import CONF, KILLHOOK, TESTS, on_pythonpath, one_error_line, output, read_scalars, run_cli
 from omegaconf import OmegaConf
 
-from conftest import CONF, KILLHOOK, TESTS, on_pythonpath, one_error_line, output, read_scalars, run_cli
 from framework.callbacks.base import Callback
 from framework.observe.trackers import CsvTracker, TrackedRun, Trackers, finish, open_sweep
 

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 import torch
-
 from conftest import read_scalars
-from framework.task.task import ClassificationTask, StepOutput
-from framework.observe.metric_logger import TaskHandle
+
 from framework.loop.trainer import Trainer
+from framework.observe.metric_logger import TaskHandle
+from framework.task.task import ClassificationTask, StepOutput
 
 pytestmark = pytest.mark.unit
 

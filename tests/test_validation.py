@@ -1,7 +1,7 @@
 """Values are checked once, at the edge: a bad value a new user might type ends the run with one `Error: ...`
 line naming the key, the value and what was expected, and a non-zero exit; no traceback.
 
-Ranges of the framework's own groups and of the DataModule's counts are checked by `config.validate` before
+Ranges of the framework's own groups and of the DataModule's counts are checked by `validate` before
 anything is built; data of the wrong kind, and a model, loss or metric that does not fit the data, at the
 first batch (`Task.check_batch`, called once by the trainer before training). The datasets, model and loss
 below are the user's own code in those tests: the subprocess imports them as `test_validation.<name>`.
@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import TESTS, on_pythonpath, one_error_line, output, run_cli
 from torch import nn
 from torch.utils.data import Dataset
 
-from conftest import TESTS, on_pythonpath, one_error_line, output, run_cli
 from framework.task.task import StepOutput, Task
 
 pytestmark = pytest.mark.e2e
@@ -106,7 +106,7 @@ def case(*overrides: str, says: tuple[str, ...], id: str) -> Any:
     return pytest.param(overrides, says, id=id)
 
 
-# ---------------------------------------------------------------- refused by config.validate, before any build
+# ---------------------------------------------------------------- refused by validate, before any build
 RANGES = [
     case("trainer.max_epochs=0", says=("trainer.max_epochs=0: expected >= 1",), id="max_epochs-0"),
     case("trainer.max_epochs=-2", "trainer.max_steps=5", says=("trainer.max_epochs=-2", "-1 or 0 with"),
@@ -191,7 +191,7 @@ def test_hardware_a_setting_names_must_be_there(tmp_path: Path) -> None:
 
 @pytest.mark.unit
 def test_values_at_the_edges_of_their_ranges_are_accepted(compose) -> None:
-    from framework.config import schema as config
+    from framework.config.validate import validate
 
     for overrides in (("trainer.max_epochs=-1", "trainer.max_steps=10"),
                       ("trainer.max_epochs=0", "trainer.max_steps=1"), ("seed=0",), ("seed=4294967295",),
@@ -202,7 +202,7 @@ def test_values_at_the_edges_of_their_ranges_are_accepted(compose) -> None:
                       ("data.num_workers=0", "data.prefetch_factor=2", "data.persistent_workers=true"),
                       ("parallel=ddp", "parallel.devices=1", "parallel.backend=gloo", "parallel.timeout_s=1"),
                       ("trainer.device=cpu",), ("trainer.grad_clip_norm=1e-8", "trainer.grad_clip_value=1e8")):
-        config.validate(compose(*overrides))
+        validate(compose(*overrides))
 
 
 # ---------------------------------------------------------------- refused at the first batch, before training

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import output, run_process
 
 pytestmark = pytest.mark.e2e

@@ -41,8 +41,9 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from framework import __version__
 from framework.app import launch, resume, sweep
 from framework.app import main as app
-from framework.config import schema as config
-from framework.config.schema import CLOSED_GROUPS, key_hint
+from framework.config.hints import CLOSED_GROUPS, key_hint
+from framework.config.schema import register
+from framework.config.validate import STAGES
 from framework.core import signals, startup
 from framework.core.errors import FORCED_FULL_ERROR, full_error
 
@@ -78,7 +79,7 @@ def _main() -> None:
         return
     if os.getcwd() not in sys.path and "" not in sys.path:  # `htf`'s has its script's folder instead, as run.py's
         sys.path.insert(0, os.getcwd())
-    config.register()  # the structured-config schemas the framework's tree is composed against
+    register()  # the structured-config schemas the framework's tree is composed against
     Plugins.instance().register(FrameworkConfigs)
     sys.argv = _with_stage(sys.argv)
     sys.argv, trees = _user_tree(sys.argv)
@@ -108,7 +109,7 @@ def _with_stage(argv: list[str]) -> list[str]:
     Without one the stage is the config's (`fit`)."""
     takes_value = {*_CONFIG_DIR, *_CONFIG_PATH, *_CONFIG_NAME, "--info", "-p", "--package"}
     for i, arg in enumerate(argv[1:], start=1):
-        if arg in config.STAGES and argv[i - 1] not in takes_value:
+        if arg in STAGES and argv[i - 1] not in takes_value:
             return [*argv[:i], *argv[i + 1 :], f"stage={arg}"]
     return argv
 

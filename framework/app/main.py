@@ -28,12 +28,14 @@ from framework import __version__
 from framework.app import resume, rundir, sweep
 from framework.app.launch import WorkerFailed, spawn
 from framework.app.sweep import DRY_RUN
-from framework.config import schema as config
+from framework.config.hints import check_closed_keys
+from framework.config.interpolation import nodes, resolve_calls
 from framework.core.errors import ConfigError, Interrupted, UserError, full_error, os_error_line
 from framework.core.signals import STOP_ONLY
 from framework.observe import provenance, trackers
 from framework.observe.progress import file_only
 from framework.observe.tensorboard import write_json
+from framework.config.validate import check_stage, validate
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ sweep.register_resolvers()
 def resolve_all(cfg: DictConfig) -> None:
     """Report every `???` left unset, then the first interpolation that does not resolve, by their keys,
     before anything runs (a missing value would otherwise surface as the key of whatever interpolates it)."""
-    nodes = list(config.nodes(cfg))
+    nodes = list(nodes(cfg))
     missing = [key for key, parent, name in nodes if OmegaConf.is_missing(parent, name)]
     if missing:
         unset = ", ".join(f"{key}=???" for key in missing)
@@ -161,7 +163,7 @@ def _run(cfg: DictConfig, started: Optional[list[bool]] = None) -> Optional[floa
         cfg.resume = resume.AUTO  # a requeued job continues from its own last checkpoint
     if not cfg.resume:  # a resumed run's values come from its checkpoint: checked once merged, below
         resolve_all(cfg)
-        config.validate(cfg)
+        validate(cfg)
     rank_zero = os.environ.get("RANK", "0") == "0"
     held = rank_zero and str(hydra_cfg.output_subdir or "").startswith(".hydra/")  # a run was there before
     if held and not cfg.resume:
@@ -181,8 +183,8 @@ def _evaluate(fresh: DictConfig) -> dict[str, Any]:
 
     hydra_cfg = HydraConfig.get()
     run_dir, rank_zero = Path(hydra_cfg.runtime.output_dir), os.environ.get("RANK", "0") == "0"
-    config.check_closed_keys(fresh)  # `+ckpt_path=` is a mistake to name before anything else
-    config.check_stage(fresh)  # the rest is checked once merged with the saved run's config, below
+    check_closed_keys(fresh)  # `+ckpt_path=` is a mistake to name before anything else
+    check_stage(fresh)  # the rest is checked once merged with the saved run's config, below
     checkpoint = stages.find_checkpoint(str(fresh.ckpt))
     saved = resume.saved_run(str(checkpoint.path), checkpoint)
     if saved is not None:
@@ -191,7 +193,7 @@ def _evaluate(fresh: DictConfig) -> dict[str, Any]:
     cfg, choices = _settled(fresh, dict(hydra_cfg.runtime.choices), saved, overrides, hydra_cfg)
     stages.evaluation_only(cfg)
     resolve_all(cfg)
-    config.validate(cfg)
+    validate(cfg)
     if cfg.stage == "predict" and cfg.parallel.strategy == "fsdp":  # a sharded forward needs every rank in step
         raise ConfigError(
             "parallel=fsdp: predict runs each process's own samples through the whole model, which a sharded one "
@@ -326,7 +328,7 @@ def _settled(
             resume.check_saved_targets(cfg, trusted, Path(hydra_cfg.runtime.cwd), f"the config saved in {saved.source}")
     if cfg.resume:
         resolve_all(cfg)
-        config.validate(cfg)
+        validate(cfg)
     check_paths(cfg)
     if cfg.get("init_from"):
         cfg.init_from = resume.find_weights(str(cfg.init_from))
@@ -455,7 +457,7 @@ def launch(
     from framework.parallel.strategy import default_devices, under_launcher  # imported after validation: fail fast
 
     if cfg.parallel.strategy in ("ddp", "fsdp") and not under_launcher():
-        config.resolve_calls(cfg)  # spawned workers have no HydraConfig to resolve `${hydra:...}` with
+        resolve_calls(cfg)  # spawned workers have no HydraConfig to resolve `${hydra:...}` with
         spawn(
             cfg,
             run_dir,

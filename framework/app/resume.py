@@ -38,7 +38,7 @@ from typing import Any, Iterator, Optional, cast
 import yaml
 from omegaconf import Container, DictConfig, OmegaConf, open_dict
 
-from framework.config import schema as config
+from framework.config.interpolation import interpolations, leaves, references
 from framework.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -597,7 +597,7 @@ def _merged(fresh: DictConfig, saved: SavedRun, rechosen: list[str], own: tuple[
                     and OmegaConf.get_type(merged, key) not in (dict, list, type(None))
                     and isinstance(value, dict)
                 ):  # a typed framework group: keep its schema
-                    for leaf, leaf_value in config.leaves(value, key).items():
+                    for leaf, leaf_value in leaves(value, key).items():
                         OmegaConf.update(merged, leaf, leaf_value, merge=False)
                 else:
                     merged[key] = value
@@ -618,7 +618,7 @@ def _saved_interpolations(record: Any) -> Optional[dict[str, str]]:
     return {
         key: written
         for key, written in record.items()
-        if isinstance(key, str) and isinstance(written, str) and config.references(written, key) is not None
+        if isinstance(key, str) and isinstance(written, str) and references(written, key) is not None
     }
 
 
@@ -628,8 +628,8 @@ def _rederive(merged: DictConfig, saved: SavedRun, skip: tuple[str, ...], given:
     as it would have in the run's first composition. Each comes back only where, over the saved values, it gives the
     value saved: a record that does not fit its config is not followed. Groups in `skip` are this command line's."""
     if saved.interpolations is None:  # not known for the saved run: only what this version's config would make
-        made = config.interpolations(fresh)
-        stale = [k for k, w in made.items() if k not in given and set(config.references(w, k) or ()) & set(given)]
+        made = interpolations(fresh)
+        stale = [k for k, w in made.items() if k not in given and set(references(w, k) or ()) & set(given)]
         if stale:
             log.warning(
                 "resume: %s was saved before checkpoints recorded interpolations: %s keep their saved values, though "
@@ -689,10 +689,10 @@ def _report_changes(
     doing: str = "Resuming",
 ) -> None:
     try:
-        now = config.leaves(OmegaConf.to_container(merged, resolve=True, enum_to_str=True))
+        now = leaves(OmegaConf.to_container(merged, resolve=True, enum_to_str=True))
     except Exception:  # noqa: BLE001  (an unresolvable value is reported by the app's own check)
         return
-    before = config.leaves(saved)
+    before = leaves(saved)
     changed = [f"{group}: {old_choices.get(group)} -> {choices[group]}" for group in rechosen]
     changed += [
         f"{key}: {before.get(key, '(unset)')!r} -> {value!r}"

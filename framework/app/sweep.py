@@ -37,7 +37,7 @@ from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from framework.config.schema import check_closed_keys
+from framework.config.hints import check_closed_keys
 from framework.core import files, signals
 from framework.core.errors import ConfigError
 from framework.observe import trackers

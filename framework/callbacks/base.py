@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
-from framework.config.schema import parse_duration
+from framework.config.validate import parse_duration
 
 if TYPE_CHECKING:  # the trainer imports this module, never the other way round
     from framework.loop.trainer import Trainer

@@ -17,7 +17,7 @@ import framework
 from framework.checkpoint import Checkpoint, CheckpointManager, open_checkpoint
 from framework.checkpoint.restore import callbacks_check, optimizer_check, precision_check, restore
 from framework.checkpoint.state import Progress, RngState, TaskState, TrainingState
-from framework.config.schema import interpolations, sources
+from framework.config.interpolation import interpolations, sources
 from framework.core import reproducibility
 from framework.core.errors import ConfigError
 from framework.data.module import DataCheck, DataModule, check_data
