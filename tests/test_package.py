@@ -200,7 +200,8 @@ def test_every_target_the_installed_config_tree_names_imports_from_any_directory
         import json
         from framework.core.errors import ConfigError
         from framework.config.instantiate import locate
-        from framework.app.resume import conf_targets, framework_conf_dir
+        from framework.config.trees import framework_conf_dir
+        from framework.config.trust import conf_targets
         missing = []
         for target in sorted(conf_targets([framework_conf_dir()])):
             try:

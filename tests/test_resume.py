@@ -281,7 +281,7 @@ def test_a_recorded_interpolation_comes_back_only_where_it_gives_the_value_saved
     or that calls a resolver (`name`), is not followed; the true ones are, so the new shards reach data.train."""
     from omegaconf import OmegaConf
 
-    from framework.app.resume import SavedRun, _saved_interpolations, as_data, resumed_config
+    from framework.config.saved import SavedRun, _saved_interpolations, as_data, resumed_config
     from framework.config.interpolation import interpolations
 
     first = compose("data=webdataset", "data.train_shards='old'")

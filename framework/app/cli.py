@@ -43,6 +43,7 @@ from framework.app import launch, resume, sweep
 from framework.app import main as app
 from framework.config.hints import CLOSED_GROUPS, key_hint
 from framework.config.schema import register
+from framework.config.trees import framework_conf_dir, source_dir
 from framework.config.validate import STAGES
 from framework.core import signals, startup
 from framework.core.errors import FORCED_FULL_ERROR, full_error
@@ -85,8 +86,8 @@ def _main() -> None:
     sys.argv, trees = _user_tree(sys.argv)
     sys.argv += launch.rank_zero_only_overrides()  # under torchrun: one run directory, from rank 0
     name = _option(sys.argv[1:], _CONFIG_NAME) or "config"
-    sys.argv = resume.argv_with_saved_choices(sys.argv, [*trees, resume.framework_conf_dir()], name)  # resume=...
-    run(hydra.main(version_base="1.3", config_path=str(resume.framework_conf_dir()), config_name="config")(_job))
+    sys.argv = resume.argv_with_saved_choices(sys.argv, [*trees, framework_conf_dir()], name)  # resume=...
+    run(hydra.main(version_base="1.3", config_path=str(framework_conf_dir()), config_name="config")(_job))
 
 
 def _job(cfg: DictConfig) -> Any:
@@ -98,8 +99,8 @@ class FrameworkConfigs(SearchPathPlugin):
     `main` in its own process: other Hydra applications in the same environment never see it."""
 
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
-        tree = str(resume.framework_conf_dir())
-        if resume.source_dir(tree) not in {resume.source_dir(e.path) for e in search_path.get_path() if e.path}:
+        tree = str(framework_conf_dir())
+        if source_dir(tree) not in {source_dir(e.path) for e in search_path.get_path() if e.path}:
             search_path.append("framework", tree)
 
 

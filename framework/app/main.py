@@ -30,12 +30,15 @@ from framework.app.launch import WorkerFailed, spawn
 from framework.app.sweep import DRY_RUN
 from framework.config.hints import check_closed_keys
 from framework.config.interpolation import nodes, resolve_calls
+from framework.config.saved import SavedRun, resumed_config
+from framework.config.trees import source_dir
+from framework.config.trust import check_saved_targets, conf_targets, targets
+from framework.config.validate import check_stage, validate
 from framework.core.errors import ConfigError, Interrupted, UserError, full_error, os_error_line
 from framework.core.signals import STOP_ONLY
 from framework.observe import provenance, trackers
 from framework.observe.progress import file_only
 from framework.observe.tensorboard import write_json
-from framework.config.validate import check_stage, validate
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +52,8 @@ sweep.register_resolvers()
 def resolve_all(cfg: DictConfig) -> None:
     """Report every `???` left unset, then the first interpolation that does not resolve, by their keys,
     before anything runs (a missing value would otherwise surface as the key of whatever interpolates it)."""
-    nodes = list(nodes(cfg))
-    missing = [key for key, parent, name in nodes if OmegaConf.is_missing(parent, name)]
+    found = list(nodes(cfg))
+    missing = [key for key, parent, name in found if OmegaConf.is_missing(parent, name)]
     if missing:
         unset = ", ".join(f"{key}=???" for key in missing)
         example = " ".join(f"{key}=VALUE" for key in missing)
@@ -58,7 +61,7 @@ def resolve_all(cfg: DictConfig) -> None:
             f"{unset}: no value given (??? marks a value you must set); "
             f"expected a value on the command line, e.g. {example}"
         )
-    for key, parent, name in nodes:
+    for key, parent, name in found:
         if OmegaConf.is_interpolation(parent, name):
             try:
                 parent[name]  # reading a node resolves it
@@ -312,7 +315,7 @@ def _check_dev_run(cfg: DictConfig, asked: Optional[str], held: bool, run_dir: P
 def _settled(
     cfg: DictConfig,
     choices: dict[str, Any],
-    saved: Optional[resume.SavedRun],
+    saved: Optional[SavedRun],
     overrides: list[str],
     hydra_cfg: HydraConf,
 ) -> tuple[DictConfig, dict[str, Any]]:
@@ -320,12 +323,12 @@ def _settled(
     none, Hydra's record of it), with this command line on top, built only from targets the user's own code
     names; validated, with its data folder and init_from checked."""
     if saved is not None:
-        trusted = resume.conf_targets(_conf_dirs(hydra_cfg)) | {
-            t for _, t in resume.targets(OmegaConf.to_container(cfg, resolve=False))
+        trusted = conf_targets(_conf_dirs(hydra_cfg)) | {
+            t for _, t in targets(OmegaConf.to_container(cfg, resolve=False))
         }
-        cfg, choices = resume.resumed_config(cfg, saved, choices, overrides)
+        cfg, choices = resumed_config(cfg, saved, choices, overrides)
         if not cfg.trust_saved_config:
-            resume.check_saved_targets(cfg, trusted, Path(hydra_cfg.runtime.cwd), f"the config saved in {saved.source}")
+            check_saved_targets(cfg, trusted, Path(hydra_cfg.runtime.cwd), f"the config saved in {saved.source}")
     if cfg.resume:
         resolve_all(cfg)
         validate(cfg)
@@ -339,7 +342,7 @@ def _conf_dirs(hydra_cfg: HydraConf) -> list[Path]:
     """The config trees this run was composed from: the user's (conf/, --config-dir) and the framework's, not
     Hydra's own."""
     found = (
-        resume.source_dir(source.path, source.schema)
+        source_dir(source.path, source.schema)
         for source in hydra_cfg.runtime.config_sources
         if source.provider != "hydra" and source.path
     )

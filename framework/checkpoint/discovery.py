@@ -1,5 +1,5 @@
-"""Resume discovery: the newest intact checkpoint of a run, skipping (with a warning) whatever else its
-`checkpoints/` folder holds."""
+"""Resume discovery: what a directory holds (a checkpoint, a run), and the newest intact checkpoint of a run,
+skipping (with a warning) whatever else its `checkpoints/` folder holds."""
 
 from __future__ import annotations
 
@@ -13,6 +13,26 @@ from framework.checkpoint.format import DamagedCheckpoint, _kind, _name, _where
 from framework.checkpoint.load import Checkpoint, open_checkpoint
 
 log = logging.getLogger(__name__)
+
+
+def is_checkpoint(path: Path) -> bool:
+    return (path / "meta.json").is_file() or (path / "model.safetensors").is_file()
+
+
+def is_run_dir(path: Path) -> bool:
+    return path.is_dir() and not is_checkpoint(path) and ((path / "checkpoints").is_dir() or (path / ".hydra").is_dir())
+
+
+def holds_run(path: Path) -> bool:
+    """Does `path` already hold a run (its config, checkpoints, summary or TensorBoard events)?"""
+    if not path.is_dir():
+        return False
+    if (path / ".hydra" / "config.yaml").is_file() or (path / "summary.json").exists():
+        return True
+    checkpoints = path / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        return True
+    return any(p.name.startswith("events.out.tfevents") for p in path.iterdir())
 
 
 def find_latest(run_dir: Path, below_step: Optional[int] = None) -> Optional[Checkpoint]:

@@ -40,8 +40,8 @@ from framework.core import files
 
 
 class Ranks(Protocol):
-    """The processes saving together (framework.parallel.strategy's strategies are): this one's rank, how many there are,
-    an all-gather and a broadcast of small picklable objects."""
+    """The processes saving together (framework.parallel.strategy's strategies are): this one's rank, how many there
+    are, an all-gather and a broadcast of small picklable objects."""
 
     rank: int
     world_size: int
@@ -52,8 +52,8 @@ class Ranks(Protocol):
 
 
 class Shards(Ranks, Protocol):
-    """A sharded run's ranks (framework.parallel.strategy's FSDPStrategy), which can also make the ranks a background save
-    agrees through: a process group of their own, so that a writer thread's collectives never interleave with
+    """A sharded run's ranks (framework.parallel.strategy's FSDPStrategy), which can also make the ranks a background
+    save agrees through: a process group of their own, so that a writer thread's collectives never interleave with
     training's (every rank calls it, once, at the same point)."""
 
     def background_ranks(self) -> Ranks: ...

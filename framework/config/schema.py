@@ -59,10 +59,12 @@ class TrainerConfig:
     deterministic: bool = False
     compile: bool = False
     device: str = "auto"
-    # glibc malloc with fixed thresholds, so a step's freed tensors serve the next step (framework/parallel/allocator.py)
+    # glibc malloc with fixed thresholds, so a step's freed tensors serve the next step
+    # (framework/parallel/allocator.py)
     malloc_tuning: bool = True
-    # Where the time goes (framework/observe/profiler.py): null, simple (a table of time per phase at the end) or pytorch (a
-    # torch.profiler trace of profiler_schedule's steps per rank, under RUN_DIR/profiler/, cut to profiler_max_mb).
+    # Where the time goes (framework/observe/profiler.py): null, simple (a table of time per phase at the end) or
+    # pytorch (a torch.profiler trace of profiler_schedule's steps per rank, under RUN_DIR/profiler/, cut to
+    # profiler_max_mb).
     profiler: Optional[str] = None
     profiler_schedule: ProfilerScheduleConfig = field(default_factory=ProfilerScheduleConfig)
     profiler_max_mb: float = 100.0
@@ -101,8 +103,8 @@ WANDB_MODES = ("offline", "online")
 
 @dataclass
 class LoggerConfig:
-    # The backends: `logger=[tensorboard,csv,mlflow]` turns several on (framework/observe/trackers.py). Each one's node is
-    # always there, so setting a key of one not chosen is no composition error (it stays off).
+    # The backends: `logger=[tensorboard,csv,mlflow]` turns several on (framework/observe/trackers.py). Each one's node
+    # is always there, so setting a key of one not chosen is no composition error (it stays off).
     tensorboard: bool = False  # conf/logger/tensorboard.yaml (the default option) turns it on
     csv: CsvConfig = field(default_factory=CsvConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
@@ -173,13 +175,15 @@ class ParallelConfig:
     # unit) or selective (the module classes named in activation_checkpointing_modules).
     activation_checkpointing: str = "none"
     activation_checkpointing_modules: Optional[list[str]] = None
-    # parallel=fsdp: build the model on the meta device and give each rank only its shards (framework/parallel/meta_init.py).
+    # parallel=fsdp: build the model on the meta device and give each rank only its shards
+    # (framework/parallel/meta_init.py).
     meta_init: bool = True
 
 
 @dataclass
 class LrFindConfig:
-    """`python run.py lr_find` (framework/stages/lr_find.py): the LR range test's span, length, early stop and smoothing."""
+    """`python run.py lr_find` (framework/stages/lr_find.py): the LR range test's span, length, early stop and
+    smoothing."""
 
     min_lr: float = 1.0e-6
     max_lr: float = 1.0

@@ -376,10 +376,11 @@ def _shard_files(dataset: Any, sizes: list[int]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- the data's identity
 # A run's data is identified, cheaply, by each split's number of samples, its shard files (their samples and bytes)
-# and the config it is made from (the split's node and every key its `${...}` reach: `sources` in framework/config/schema.py).
-# It is recorded when the run starts, kept in every checkpoint's meta.json (`data_identity`), and a resume on other
-# data is refused in one line: the epoch's order, and the position in it, were planned on the old data. With
-# resume_on_new_data=true the new data is taken: training goes on from the next epoch's batch 0.
+# and the config it is made from (the split's node and every key its `${...}` reach: `sources` in
+# framework/config/schema.py). It is recorded when the run starts, kept in every checkpoint's meta.json
+# (`data_identity`), and a resume on other data is refused in one line: the epoch's order, and the position in it, were
+# planned on the old data. With resume_on_new_data=true the new data is taken: training goes on from the next epoch's
+# batch 0.
 NEW_DATA_KEY = "resume_on_new_data"
 _UNSET = "(unset)"
 

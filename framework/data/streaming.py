@@ -318,8 +318,8 @@ class StreamState:
     """The streams as registered resumable state. Their position is the loop's (epoch, batch_in_epoch), which the
     plan turns into samples; saved here is what that needs (each split's size, the world size and batch size of
     the plan, a redistributed rest of the epoch) and the bad samples skipped so far. A resume on other data is
-    refused (here by its size, for checkpoints older than the data's identity: framework/data/module.py); one mid-epoch on
-    another number of processes gets the rest of the epoch redistributed (`Rest`), and sets the loop's batch in the
+    refused (here by its size, for checkpoints older than the data's identity: framework/data/module.py); one mid-epoch
+    on another number of processes gets the rest of the epoch redistributed (`Rest`), and sets the loop's batch in the
     epoch to where that rest starts. `new_data`: the splits a resume on new data (resume_on_new_data) takes as they
     are now, whose saved state describes other samples: neither held against them nor loaded."""
 

@@ -48,7 +48,7 @@ def train(
 ) -> dict[str, Any]:
     """Build the Trainer and fit: the one place a run is started, in this process or in a spawned worker."""
     if cfg.trainer.malloc_tuning:
-        allocator.keep_freed_memory()  # each step reuses the memory the last one freed (framework/parallel/allocator.py)
+        allocator.keep_freed_memory()  # each step reuses the memory the last one freed (parallel/allocator.py)
     checkpoint = open_checkpoint(resume_from) if isinstance(resume_from, Path) else resume_from
     if cfg.get("stage", "fit") != "fit":  # validate/test/predict a checkpoint's weights, or lr_find (stages.py)
         from framework.stages import evaluate as stages

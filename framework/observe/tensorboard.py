@@ -3,8 +3,8 @@ is in progress.py).
 
 Only rank 0 creates these; other ranks get disabled instances, so the trainer never branches on rank. Every scalar
 the run logs goes through `TensorBoardLogger.log_metrics` (the metric logger's, the trainer's best/*), so the
-trackers the config chooses (framework/observe/trackers.py: CSV, MLflow) hang there: rank 0 opens them at the run's start
-(setup_report), and they get each scalar TensorBoard gets, whether or not TensorBoard itself is on.
+trackers the config chooses (framework/observe/trackers.py: CSV, MLflow) hang there: rank 0 opens them at the run's
+start (setup_report), and they get each scalar TensorBoard gets, whether or not TensorBoard itself is on.
 """
 
 from __future__ import annotations

@@ -197,8 +197,8 @@ class Recorder(TorchFunctionMode):
 
 def _scratch(shape: Any, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor in an anonymous memory map of its own, unmapped when the tensor goes: whole parameters
-    made one after the other must not stay in malloc's heap (which keeps freed memory: framework/parallel/allocator.py), or a
-    rank's peak would grow towards the whole model's bytes after all."""
+    made one after the other must not stay in malloc's heap (which keeps freed memory: framework/parallel/allocator.py),
+    or a rank's peak would grow towards the whole model's bytes after all."""
     size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return torch.frombuffer(mmap.mmap(-1, max(size, 1)), dtype=torch.uint8)[:size].view(dtype).view(shape)
 

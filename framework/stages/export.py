@@ -39,9 +39,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save
 
-from framework.app.resume import as_data, check_saved_targets, conf_targets, framework_conf_dir, holds_run
 from framework.checkpoint import META_FILE, MODEL_FILE, Checkpoint, check_compatible, open_checkpoint
+from framework.checkpoint.discovery import holds_run
 from framework.config.instantiate import build, error_line
+from framework.config.saved import as_data
+from framework.config.trees import framework_conf_dir
+from framework.config.trust import check_saved_targets, conf_targets
 from framework.core import files
 from framework.core.errors import UserError
 from framework.stages import export_onnx
@@ -510,4 +513,3 @@ def summary(checkpoint: Checkpoint, out: Path, exported: Exported) -> str:
         + (f", and a second of {' or '.join(map(str, sorted(seconds)))} samples" if seconds else "")
         + f", max abs difference: {', '.join(diffs)}"
     )
-

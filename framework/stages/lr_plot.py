@@ -1,6 +1,6 @@
-"""The LR range test's plot (framework/stages/lr_find.py): loss against learning rate on a log axis, the suggestion marked.
-matplotlib draws it when it is installed (its object API and Agg canvas: no pyplot, no global figure state); else
-Pillow (torchvision's dependency, so always there) draws the same lines plainly."""
+"""The LR range test's plot (framework/stages/lr_find.py): loss against learning rate on a log axis, the suggestion
+marked. matplotlib draws it when it is installed (its object API and Agg canvas: no pyplot, no global figure state);
+else Pillow (torchvision's dependency, so always there) draws the same lines plainly."""
 
 from __future__ import annotations
 
