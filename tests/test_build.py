@@ -9,7 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 from torch import nn
 
-from framework.callbacks.base import EarlyStopping, Timer
+from framework.callbacks.early_stopping import EarlyStopping
+from framework.callbacks.timer import Timer
 from framework.core.errors import ConfigError
 from framework.loop.build import build_callbacks, build_task, limit
 from framework.task.task import Task
@@ -103,7 +104,7 @@ def test_a_task_target_that_is_not_a_task_is_one_config_error():
 
 
 def test_the_callbacks_group_skips_a_null_node_refuses_a_non_callback_and_adds_a_timer_for_max_time():
-    cfg = OmegaConf.create({"callbacks": {"early_stopping": {"_target_": "framework.callbacks.base.EarlyStopping",
+    cfg = OmegaConf.create({"callbacks": {"early_stopping": {"_target_": "framework.callbacks.early_stopping.EarlyStopping",
                                                              "patience": 2},
                                           "off": None},
                             "trainer": {"max_time": "00:01:00:00"}})

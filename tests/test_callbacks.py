@@ -13,7 +13,8 @@ import torch
 from conftest import output, read_scalars, run_cli, run_process
 from safetensors.torch import load_file
 
-from framework.callbacks.base import Callback, CallbackList, EarlyStopping
+from framework.callbacks.base import Callback, CallbackList
+from framework.callbacks.early_stopping import EarlyStopping
 from framework.checkpoint import open_checkpoint
 from framework.loop.trainer import Trainer
 
@@ -157,7 +158,7 @@ def test_ema_follows_the_formula_and_leaves_the_raw_weights_bit_identical(compos
     common = ("trainer.max_steps=7", "trainer.val_every_n_steps=3", "checkpoint=none", "callbacks=none")
     plain = make(compose, tmp_path / "plain", *common)
     plain.fit()
-    with_ema = make(compose, tmp_path / "ema", *common, "+callbacks.ema={_target_: framework.callbacks.base.EMA, "
+    with_ema = make(compose, tmp_path / "ema", *common, "+callbacks.ema={_target_: framework.callbacks.ema.EMA, "
                     "decay: 0.9, warmup: true}")
     recorder = Recorder()
     ema = with_ema.callbacks.callbacks["ema"]
@@ -202,7 +203,7 @@ def test_a_run_scoped_timer_stops_cleanly_saves_last_and_a_resume_gets_the_budge
     """Lightning's Timer as a callback, scope=run: the budget counts every job of the run (trainer.max_time counts
     one job: tests/test_requeue.py)."""
     run = tmp_path / "run"
-    timer = "+callbacks.timer={_target_:framework.callbacks.base.Timer,duration:2,scope:run}"
+    timer = "+callbacks.timer={_target_:framework.callbacks.timer.Timer,duration:2,scope:run}"
     proc = run_cli(run, timer, "trainer.max_epochs=100000", "callbacks=none")
     assert proc.returncode == 0, output(proc)
     first = json.loads((run / "summary.json").read_text())

@@ -13,7 +13,8 @@ from conftest import replace
 from omegaconf import OmegaConf
 from torch import nn
 
-from framework.callbacks.base import CallbackList, EarlyStopping
+from framework.callbacks.base import CallbackList
+from framework.callbacks.early_stopping import EarlyStopping
 from framework.checkpoint import MODEL_FILE, CheckpointManager, DamagedCheckpoint, open_checkpoint, write_checkpoint
 from framework.checkpoint.restore import callbacks_check, load_test_weights, optimizer_check, precision_check, restore
 from framework.checkpoint.state import Progress, TrainingState

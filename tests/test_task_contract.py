@@ -46,7 +46,7 @@ TINY = ("logger.progress_bar=false", "callbacks=none", "checkpoint=none", "train
 ONE_EPOCH = ("logger.progress_bar=false", "callbacks=none", "checkpoint=none", "trainer.max_epochs=1",
              "trainer.limit_train_batches=3", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
              "~task.loss", "~task.metrics")
-EARLY_STOPPING = "+callbacks.early_stopping._target_=framework.callbacks.base.EarlyStopping"
+EARLY_STOPPING = "+callbacks.early_stopping._target_=framework.callbacks.early_stopping.EarlyStopping"
 
 
 def fit(compose, run_dir: Path, task: type, *overrides: str, resume_from: Any = None) -> tuple[Trainer, dict]:

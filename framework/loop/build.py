@@ -13,7 +13,8 @@ from typing import Any, Optional, Union
 import torch
 from omegaconf import DictConfig
 
-from framework.callbacks.base import Callback, CallbackList, Timer
+from framework.callbacks.base import Callback, CallbackList
+from framework.callbacks.timer import Timer
 from framework.checkpoint import CheckpointManager, check_compatible, load_weights
 from framework.checkpoint.weights import accept_plain_keys
 from framework.config.instantiate import build, locate
