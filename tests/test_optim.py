@@ -13,7 +13,8 @@ from torch import nn
 
 from framework.core.errors import ConfigError
 from framework.loop.trainer import Trainer
-from framework.optim.groups import build_optimizer, build_scheduler, describe_groups, lr_plan
+from framework.optim.groups import build_optimizer, describe_groups
+from framework.optim.schedulers import build_scheduler, lr_plan
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,7 @@ from conftest import read_scalars
 from framework.loop.build import build_components
 from framework.observe.setup_report import describe_setup
 from framework.observe.tensorboard import TensorBoardLogger
-from framework.optim.groups import lr_plan
+from framework.optim.schedulers import lr_plan
 from framework.parallel.strategy import Strategy
 
 pytestmark = pytest.mark.unit

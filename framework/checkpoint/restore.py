@@ -54,12 +54,11 @@ def restore(
     if not same_schedule:  # the new schedule starts here, from its start
         for group, fresh in zip(optimizer.param_groups, configured):
             group.update({k: fresh[k] for k in ("lr", "initial_lr") if k in fresh})
-    apply_changed_options(
-        optimizer,
-        scheduler if same_schedule else None,
-        configured,
-        changed_options(saved_cfg.get("optimizer") or {}, cfg.optimizer),
+    rebased = apply_changed_options(
+        optimizer, configured, changed_options(saved_cfg.get("optimizer") or {}, cfg.optimizer)
     )
+    for group, base_lr in rebased.items() if scheduler is not None and same_schedule else ():
+        scheduler.rebase(group, base_lr)
     saved_ranks = checkpoint.meta.get("world_size", 1)
     if checkpoint.sharded and saved_ranks != strategy.world_size and strategy.is_rank_zero:
         log.warning(

@@ -22,7 +22,8 @@ from framework.core import startup
 from framework.core.errors import ConfigError
 from framework.data.folds import write_record as write_fold_record
 from framework.data.module import DataModule
-from framework.optim.groups import build_optimizer, build_scheduler
+from framework.optim.groups import build_optimizer
+from framework.optim.schedulers import build_scheduler
 from framework.parallel import activation_checkpointing, meta_init
 from framework.parallel.precision import Precision
 from framework.parallel.strategy import Strategy

@@ -15,7 +15,8 @@ from framework.observe.layout import layout
 from framework.observe.progress import file_only
 from framework.observe.tensorboard import write_json
 from framework.observe.trackers import Trackers
-from framework.optim.groups import describe_groups, format_groups, lr_plan
+from framework.optim.groups import describe_groups, format_groups
+from framework.optim.schedulers import lr_plan
 
 log = logging.getLogger("framework.loop.trainer")  # the name run.log and the tests know these lines by
 
