@@ -8,7 +8,8 @@ import torch
 from torch import nn
 from torchvision.utils import make_grid
 
-from framework.task.task import ClassificationTask, Metric, StepOutput
+from framework.task.classification import ClassificationTask
+from framework.task.task import Metric, StepOutput
 
 
 class LogitPenaltyTask(ClassificationTask):

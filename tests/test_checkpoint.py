@@ -415,7 +415,7 @@ def test_cli_resume_run_dir_with_a_damaged_last_resumes_from_the_newest_intact(b
     proc = run_cli(None, f"resume={run_dir}", fast=False)
     assert proc.returncode == 0, output(proc)
     assert f"Skipping a damaged checkpoint: checkpoint {folder / 'last'}: {MODEL_FILE}" in output(proc)
-    assert f"at step 4 (epoch 2, batch 0)" in output(proc) and "Resumed from" in output(proc)
+    assert "at step 4 (epoch 2, batch 0)" in output(proc) and "Resumed from" in output(proc)
     assert json.loads((run_dir / "summary.json").read_text())["step"] == 6
     assert step_of(folder / "last") == 6  # the damaged last was replaced by an intact one
 

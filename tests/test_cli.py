@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 from conftest import CONF, ROOT, one_error_line, output, run_cli
-from framework.config.validate import validate
 from omegaconf import OmegaConf
 
 from framework.app import cli
+from framework.config.validate import validate
 
 pytestmark = pytest.mark.e2e
 

@@ -22,7 +22,7 @@ from framework.checkpoint import load_weights, open_checkpoint, write_checkpoint
 from framework.checkpoint.state import Progress, TrainingState
 from framework.checkpoint.weights import accept_plain_keys, check_compatible
 from framework.loop.trainer import Trainer, train
-from framework.task.task import ClassificationTask
+from framework.task.classification import ClassificationTask
 
 pytestmark = pytest.mark.unit  # the compiled runs below are e2e: inductor runs the C++ compiler in a process
 

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 from conftest import ROOT, output, run_cli
-from framework.config.validate import validate
 from omegaconf import OmegaConf
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from framework.config.validate import validate
 from framework.core.errors import ConfigError
 from framework.parallel.precision import Precision
 from framework.parallel.strategy import DataParallelStrategy, FSDPStrategy, Strategy, build_strategy, default_backend

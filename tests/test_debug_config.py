@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 from conftest import one_error_line, output, run_cli
-from framework.config.validate import validate
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from framework.config.hints import LIGHTNING_NAMES, check_closed_keys
 from framework.config.schema import TrainerConfig
+from framework.config.validate import validate
 from framework.core.errors import ConfigError
 
 pytestmark = pytest.mark.unit

@@ -19,8 +19,8 @@ from torch import nn
 from torchmetrics.classification import MulticlassAUROC, MulticlassF1Score
 
 from framework.core.errors import ConfigError
+from framework.task.classification import ClassificationTask
 from framework.task.metrics import Accuracy
-from framework.task.task import ClassificationTask
 from framework.zoo.datasets import digits
 
 pytestmark = pytest.mark.unit

@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from framework.app.launch import _host_store
 from framework.loop.trainer import Trainer
-from framework.task.task import ClassificationTask, StepOutput
+from framework.task.classification import ClassificationTask
+from framework.task.task import StepOutput
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 

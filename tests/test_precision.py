@@ -10,7 +10,8 @@ from conftest import read_scalars
 
 from framework.loop.trainer import Trainer
 from framework.parallel.precision import Precision
-from framework.task.task import ClassificationTask, StepOutput
+from framework.task.classification import ClassificationTask
+from framework.task.task import StepOutput
 
 pytestmark = pytest.mark.unit
 

@@ -23,7 +23,8 @@ from torch.utils.data import Dataset, TensorDataset
 from framework.core.errors import ConfigError, UserError
 from framework.data.module import DataModule, EpochSampler
 from framework.stages.predictions import PredictionWriter, merge, part_files, predict_indices
-from framework.task.task import ClassificationTask, Task, step_function
+from framework.task.classification import ClassificationTask
+from framework.task.task import Task, step_function
 
 pytestmark = pytest.mark.unit
 BATCH = 4

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import output, read_scalars, run_cli
-from framework.config.validate import validate
 from torch import nn
 
+from framework.config.validate import validate
 from framework.core.errors import ConfigError
 from framework.loop.trainer import Trainer
 from framework.observe.profiler import PHASES, Profiler, SimpleProfiler, cap_trace

@@ -19,7 +19,7 @@ from conftest import FAST, ROOT, TESTS, on_pythonpath, output, run_cli
 from framework.app import launch
 from framework.observe import provenance
 from framework.observe.tensorboard import SUMMARY_LOGGER, print_summary
-from framework.task.task import ClassificationTask
+from framework.task.classification import ClassificationTask
 
 pytestmark = pytest.mark.e2e
 

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 from conftest import KILLHOOK, ROOT, TESTS, assert_identical, final_state, on_pythonpath, output, run_cli
 
-from framework.task.task import ClassificationTask, StepOutput
+from framework.task.classification import ClassificationTask
+from framework.task.task import StepOutput
 
 pytestmark = pytest.mark.e2e
 

@@ -29,7 +29,8 @@ from conftest import (
 )
 
 from framework.checkpoint import open_checkpoint
-from framework.task.task import ClassificationTask, StepOutput
+from framework.task.classification import ClassificationTask
+from framework.task.task import StepOutput
 
 pytestmark = pytest.mark.e2e
 
@@ -281,8 +282,8 @@ def test_a_recorded_interpolation_comes_back_only_where_it_gives_the_value_saved
     or that calls a resolver (`name`), is not followed; the true ones are, so the new shards reach data.train."""
     from omegaconf import OmegaConf
 
-    from framework.config.saved import SavedRun, _saved_interpolations, as_data, resumed_config
     from framework.config.interpolation import interpolations
+    from framework.config.saved import SavedRun, _saved_interpolations, as_data, resumed_config
 
     first = compose("data=webdataset", "data.train_shards='old'")
     values = OmegaConf.to_container(first, resolve=True)

@@ -157,7 +157,7 @@ def test_a_damaged_best_falls_back_to_the_newest_intact_checkpoint_and_a_damaged
 
 
 # ---------------------------------------------------------------------------------------------- predict
-class KilledMidway(__import__("framework.task.task", fromlist=["ClassificationTask"]).ClassificationTask):
+class KilledMidway(__import__("framework.task", fromlist=["ClassificationTask"]).ClassificationTask):
     """Kills its own process (SIGKILL: nothing runs after it) at predict batch $KILL_AT_PREDICT_BATCH of rank 0."""
 
     def predict_step(self, batch, batch_idx=0):
@@ -248,7 +248,7 @@ def test_predict_over_a_folder_of_unlabelled_pngs(tmp_path):
     assert listed == [str(images / f"img{i}.png") for i in range(7)]
 
 
-class NestedOutput(__import__("framework.task.task", fromlist=["ClassificationTask"]).ClassificationTask):
+class NestedOutput(__import__("framework.task", fromlist=["ClassificationTask"]).ClassificationTask):
     def predict_step(self, batch, batch_idx=0):
         return {"scores": {"a": self.model(batch[0])}}
 

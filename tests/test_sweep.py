@@ -21,7 +21,8 @@ import torch
 from conftest import ROOT, output, run_process
 
 from framework.observe.metric_logger import TaskHandle
-from framework.task.task import ClassificationTask, StepOutput
+from framework.task.classification import ClassificationTask
+from framework.task.task import StepOutput
 
 pytestmark = pytest.mark.e2e
 

@@ -15,7 +15,8 @@ import pytest
 from conftest import ROOT, TESTS, on_pythonpath, output, run_process
 
 from framework.observe.metric_logger import TaskHandle
-from framework.task.task import ClassificationTask, StepOutput
+from framework.task.classification import ClassificationTask
+from framework.task.task import StepOutput
 
 pytestmark = pytest.mark.e2e
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
+from framework.task.classification import ClassificationTask
 from framework.task.metrics import Accuracy
-from framework.task.task import ClassificationTask
 
 pytestmark = pytest.mark.unit
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from conftest import on_pythonpath, one_error_line, output, read_scalars, run_cli
 
-from framework.core.errors import ConfigError
 from framework.config.validate import validate
+from framework.core.errors import ConfigError
 from framework.observe.trackers import finish
 from framework.observe.wandb_tracker import history, records, run_files
 

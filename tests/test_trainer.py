@@ -12,7 +12,8 @@ from conftest import read_scalars
 
 from framework.loop.trainer import Trainer
 from framework.observe.metric_logger import TaskHandle
-from framework.task.task import ClassificationTask, StepOutput
+from framework.task.classification import ClassificationTask
+from framework.task.task import StepOutput
 
 pytestmark = pytest.mark.unit
 

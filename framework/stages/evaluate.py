@@ -31,7 +31,8 @@ from framework.loop.run import Run
 from framework.observe.tensorboard import print_summary, write_json
 from framework.stages.predictions import PredictionWriter, merge
 from framework.task import hooks as task_hooks
-from framework.task.task import describe, step_function
+from framework.task.describe import describe
+from framework.task.task import step_function
 
 log = logging.getLogger("framework.loop.trainer")  # run.log's lines of a run, whatever its stage
 SPLITS = {"validate": "val", "test": "test"}  # the split each evaluating stage reads
