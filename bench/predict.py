@@ -15,7 +15,7 @@ predict.dataset, ...}`), so building it is no contender's cost.
 
 Contenders, all in this one process, on the same weights (the checkpoint's), batch 128, fp32, in dataset order;
 every one computes per sample the class (argmax, int64) and the softmax probabilities (float32, 10 per sample):
-- framework    `framework.loop.trainer.train(cfg, run_dir, checkpoint)` on the config `python run.py predict
+- framework    `framework.app.stage.run_stage(cfg, run_dir, checkpoint)` on the config `python run.py predict
                ckpt=RUN_DIR +data.predict=...` settles to (composed from `experiment=bench`, the saved run's own
                experiment, with `stages.evaluation_only` applied as app.py does): the whole stage, from building
                the run to `predictions.parquet` merged (snappy, fsync'd) and summary.json written;
@@ -82,12 +82,12 @@ def dataset(num_samples: int) -> torch.utils.data.TensorDataset:
 def train_checkpoint(run_dir: Path, steps: int) -> Any:
     """`python run.py experiment=bench trainer.max_steps=STEPS checkpoint.save_last=true`, in this process; its
     checkpoint as `ckpt=RUN_DIR` finds it."""
-    from framework.loop.trainer import train
+    from framework.app.stage import run_stage
     from framework.stages.evaluate import find_checkpoint
 
     cfg = overhead.compose_bench(steps, "cpu", ("checkpoint.save_last=true",))
     with contextlib.redirect_stdout(io.StringIO()):
-        train(cfg, run_dir)
+        run_stage(cfg, run_dir)
     return find_checkpoint(str(run_dir))
 
 
@@ -113,10 +113,9 @@ def outputs(scores: torch.Tensor) -> dict[str, torch.Tensor]:
 def framework_runner(run_dir: Path, checkpoint: Any, sizes: tuple[int, ...]) -> Callable[[int, Path], None]:
     """The predict stage as `python run.py predict ckpt=RUN_DIR +data.predict=...` runs it once app.py has
     settled its config (composed here, outside the timed runs)."""
-    from framework.config.validate import check_stage, validate
-
     from framework.app import main as app
-    from framework.loop.trainer import train
+    from framework.app.stage import run_stage
+    from framework.config.validate import check_stage, validate
     from framework.stages import evaluate as stages
 
     configs = {}
@@ -132,7 +131,7 @@ def framework_runner(run_dir: Path, checkpoint: Any, sizes: tuple[int, ...]) -> 
     def run(n: int, out: Path) -> None:
         cfg = copy.deepcopy(configs[n])
         with contextlib.redirect_stdout(io.StringIO()):  # the closing summary
-            summary = train(cfg, out, resume_from=checkpoint)
+            summary = run_stage(cfg, out, checkpoint)
         assert summary["rows"] == n, summary
 
     return run

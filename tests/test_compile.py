@@ -18,10 +18,11 @@ from conftest import assert_identical, final_state, output, run_cli
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from framework.app.stage import run_stage
 from framework.checkpoint import load_weights, open_checkpoint, write_checkpoint
 from framework.checkpoint.state import Progress, TrainingState
 from framework.checkpoint.weights import accept_plain_keys, check_compatible
-from framework.loop.trainer import Trainer, train
+from framework.loop.trainer import Trainer
 from framework.task.classification import ClassificationTask
 
 pytestmark = pytest.mark.unit  # the compiled runs below are e2e: inductor runs the C++ compiler in a process
@@ -129,7 +130,7 @@ def test_a_compiled_run_killed_midway_resumes_bit_identical_and_loads_uncompiled
     assert plain.fit()["step"] == 8  # (its dropout draws eager's random numbers, not inductor's: no comparison)
     (tmp_path / "val").mkdir()
     last = open_checkpoint(tmp_path / "whole" / "checkpoints" / "last")
-    val = train(compose(*TINY, "stage=validate", f"ckpt={last.path}"), tmp_path / "val", last)
+    val = run_stage(compose(*TINY, "stage=validate", f"ckpt={last.path}"), tmp_path / "val", last)
     assert val["val/loss"] == pytest.approx(json.loads((tmp_path / "whole" / "summary.json").read_text())["val/loss"],
                                             rel=1e-5)
 

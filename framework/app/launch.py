@@ -196,10 +196,10 @@ def _worker(
         TORCHELASTIC_USE_AGENT_STORE="True",
     )
     _configure_logging(rank, run_dir)
-    from framework.loop.trainer import train
+    from framework.app.stage import run_stage
 
     try:
-        train(cfg, run_dir, resume_from=checkpoint, hparams=hparams, choices=choices)
+        run_stage(cfg, run_dir, checkpoint, hparams, choices)
     except UserError as err:  # reported once, by the parent, without a traceback
         if rank == 0 or not isinstance(err, Interrupted):
             errors.put((rank, str(err), getattr(err, "signum", None)))

@@ -182,19 +182,19 @@ def _run(cfg: DictConfig, started: Optional[list[bool]] = None) -> Optional[floa
 def _evaluate(fresh: DictConfig) -> dict[str, Any]:
     """validate/test ckpt=: the saved run's config (trusted as resume= trusts it) with this command line on top, in a
     run directory of its own; the saved run is only read."""
-    from framework.stages import evaluate as stages  # torch: imported once the config is known good
+    from framework.stages.evaluate import evaluation_only, find_checkpoint  # torch: once the config is known good
 
     hydra_cfg = HydraConfig.get()
     run_dir, rank_zero = Path(hydra_cfg.runtime.output_dir), os.environ.get("RANK", "0") == "0"
     check_closed_keys(fresh)  # `+ckpt_path=` is a mistake to name before anything else
     check_stage(fresh)  # the rest is checked once merged with the saved run's config, below
-    checkpoint = stages.find_checkpoint(str(fresh.ckpt))
+    checkpoint = find_checkpoint(str(fresh.ckpt))
     saved = resume.saved_run(str(checkpoint.path), checkpoint)
     if saved is not None:
         saved.evaluated = True
     overrides = _task_overrides(hydra_cfg)
     cfg, choices = _settled(fresh, dict(hydra_cfg.runtime.choices), saved, overrides, hydra_cfg)
-    stages.evaluation_only(cfg)
+    evaluation_only(cfg)
     resolve_all(cfg)
     validate(cfg)
     if cfg.stage == "predict" and cfg.parallel.strategy == "fsdp":  # a sharded forward needs every rank in step
@@ -471,6 +471,6 @@ def launch(
         )
         summary = run_dir / "summary.json"  # a dry run writes none
         return json.loads(summary.read_text()) if summary.is_file() else {}
-    from framework.loop.trainer import train
+    from framework.app.stage import run_stage  # torch: imported once the config is known good
 
-    return train(cfg, run_dir, resume_from=checkpoint, hparams=hparams, choices=choices)
+    return run_stage(cfg, run_dir, checkpoint, hparams, choices)

@@ -11,18 +11,16 @@ At an epoch's end, `_end_epoch`: callbacks -> epoch means -> validation -> epoch
 from __future__ import annotations
 
 import contextlib
-import gc
 import itertools
 import logging
 import signal
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional
 
 import torch
-from omegaconf import DictConfig
 
-from framework.checkpoint import Checkpoint, CheckpointSaveError, open_checkpoint
+from framework.checkpoint import CheckpointSaveError
 from framework.checkpoint.restore import load_test_weights
 from framework.config.instantiate import error_line
 from framework.core.errors import ConfigError, Interrupted, UserError
@@ -32,39 +30,10 @@ from framework.loop.preflight import check_first_batches
 from framework.loop.run import Run
 from framework.observe.profiler import build_profiler
 from framework.observe.tensorboard import print_summary, write_json
-from framework.parallel import allocator
 from framework.task import hooks as task_hooks
 from framework.task.task import StepOutput, as_step_output
 
 log = logging.getLogger(__name__)
-
-
-def train(
-    cfg: DictConfig,
-    run_dir: Path,
-    resume_from: Union[None, Path, Checkpoint] = None,
-    hparams: Optional[dict[str, Any]] = None,
-    choices: Optional[dict[str, Any]] = None,
-) -> dict[str, Any]:
-    """Build the Trainer and fit: the one place a run is started, in this process or in a spawned worker."""
-    if cfg.trainer.malloc_tuning:
-        allocator.keep_freed_memory()  # each step reuses the memory the last one freed (parallel/allocator.py)
-    checkpoint = open_checkpoint(resume_from) if isinstance(resume_from, Path) else resume_from
-    if cfg.get("stage", "fit") != "fit":  # validate/test/predict a checkpoint's weights, or lr_find (stages.py)
-        from framework.stages import evaluate as stages
-
-        return stages.run_stage(cfg, run_dir, checkpoint, choices)
-    trainer = Trainer(cfg, run_dir, resume_from=checkpoint, hparams=hparams, choices=choices)
-    try:
-        return trainer.fit()
-    finally:
-        # Freed now, while the interpreter is whole: a DDP model holds the gloo process group, whose C++ threads,
-        # destroyed during interpreter shutdown instead, aborted a worker now and then; and a sweep's next job
-        # does not start with the last one's model, optimizer and data still in memory. Nothing of the run refers
-        # back to the trainer (the task sees a TaskHandle), so dropping it frees the run without a collection.
-        trainer.data.close()  # see DataModule.close
-        del trainer
-        gc.collect()  # what user code may still have tied in cycles (a callback holding the trainer)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,42 @@
+"""The stage a command names, dispatched here, on every rank: fit (the default) and lr_find train from the config's
+start (or fit from `checkpoint`, a resume); validate, test and predict evaluate `checkpoint`'s weights; each is a
+peer in framework/stages/. Imported once the config is known good (torch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from omegaconf import DictConfig
+
+from framework.checkpoint import Checkpoint, open_checkpoint
+
+
+def run_stage(
+    cfg: DictConfig,
+    run_dir: Path,
+    checkpoint: Union[None, Path, Checkpoint] = None,
+    hparams: Optional[dict[str, Any]] = None,
+    choices: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """Run `cfg.stage` and return its summary. `checkpoint`: what fit resumes from, or what a stage evaluates (a
+    spawned worker gets its path)."""
+    if isinstance(checkpoint, Path):
+        checkpoint = open_checkpoint(checkpoint)
+    stage = cfg.get("stage", "fit")
+    if stage == "fit":
+        from framework.stages.fit import fit
+
+        return fit(cfg, run_dir, checkpoint, hparams, choices)
+    if stage == "lr_find":
+        from framework.stages.lr_find import find_lr
+
+        return find_lr(cfg, run_dir, choices)
+    assert checkpoint is not None, "a stage evaluates a checkpoint (framework/app/main.py found it)"
+    if stage == "predict":
+        from framework.stages.predict import predict
+
+        return predict(cfg, run_dir, checkpoint, choices)
+    from framework.stages.evaluate import evaluate
+
+    return evaluate(cfg, run_dir, checkpoint, choices)

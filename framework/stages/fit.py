@@ -1,0 +1,36 @@
+"""fit: the Trainer built on the config and run, in this process or in a spawned worker, and freed afterwards."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig
+
+from framework.checkpoint import Checkpoint
+from framework.loop.trainer import Trainer
+from framework.parallel import allocator
+
+
+def fit(
+    cfg: DictConfig,
+    run_dir: Path,
+    checkpoint: Optional[Checkpoint] = None,
+    hparams: Optional[dict[str, Any]] = None,
+    choices: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """Train from `checkpoint` (None: from the start) and return the summary."""
+    if cfg.trainer.malloc_tuning:
+        allocator.keep_freed_memory()  # each step reuses the memory the last one freed (parallel/allocator.py)
+    trainer = Trainer(cfg, run_dir, resume_from=checkpoint, hparams=hparams, choices=choices)
+    try:
+        return trainer.fit()
+    finally:
+        # Freed now, while the interpreter is whole: a DDP model holds the gloo process group, whose C++ threads,
+        # destroyed during interpreter shutdown instead, aborted a worker now and then; and a sweep's next job
+        # does not start with the last one's model, optimizer and data still in memory. Nothing of the run refers
+        # back to the trainer (the task sees a TaskHandle), so dropping it frees the run without a collection.
+        trainer.data.close()  # see DataModule.close
+        del trainer
+        gc.collect()  # what user code may still have tied in cycles (a callback holding the trainer)
