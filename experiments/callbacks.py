@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from framework.callbacks.base import Callback
-from framework.observe.tensorboard import write_json
+from framework.core.files import write_json
 
 
 class MetricHistory(Callback):

@@ -17,7 +17,7 @@ from framework.config.validate import validate
 from framework.core.errors import ConfigError
 from framework.loop.trainer import Trainer
 from framework.observe.profiler import PHASES, Profiler, SimpleProfiler, cap_trace
-from framework.observe.tensorboard import print_summary
+from framework.observe.summary import print_summary
 from framework.parallel.strategy import Strategy
 
 pytestmark = pytest.mark.unit

@@ -18,7 +18,7 @@ from conftest import FAST, ROOT, TESTS, on_pythonpath, output, run_cli
 
 from framework.app import launch
 from framework.observe import provenance
-from framework.observe.tensorboard import SUMMARY_LOGGER, print_summary
+from framework.observe.summary import SUMMARY_LOGGER, print_summary
 from framework.task.classification import ClassificationTask
 
 pytestmark = pytest.mark.e2e

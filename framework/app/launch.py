@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from framework.core.errors import Interrupted, UserError, os_error_line
 from framework.core.runlog import RunLogHandler
 from framework.observe.progress import file_only
-from framework.observe.tensorboard import SUMMARY_LOGGER
+from framework.observe.summary import SUMMARY_LOGGER
 
 log = logging.getLogger(__name__)
 

@@ -35,10 +35,10 @@ from framework.config.trees import source_dir
 from framework.config.trust import check_saved_targets, conf_targets, targets
 from framework.config.validate import check_stage, validate
 from framework.core.errors import ConfigError, Interrupted, UserError, full_error, os_error_line
+from framework.core.files import write_json
 from framework.core.signals import STOP_ONLY
 from framework.observe import provenance, trackers
 from framework.observe.progress import file_only
-from framework.observe.tensorboard import write_json
 
 log = logging.getLogger(__name__)
 

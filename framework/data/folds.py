@@ -166,7 +166,7 @@ def make(dataset: Dataset, folds: int, fold: int, seed: int, stratify: bool) -> 
 def write_record(made: FoldSplit, run_dir: Path) -> None:
     """folds.json in the run directory. A run continued there (resume, a requeued or re-run sweep job) must cut the
     same fold, or its epochs would not be one run's: another fold, seed or data set is refused."""
-    from framework.observe.tensorboard import write_json
+    from framework.core.files import write_json
 
     path, record = run_dir / RECORD, made.record()
     if path.is_file():

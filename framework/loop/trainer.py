@@ -24,12 +24,13 @@ from framework.checkpoint import CheckpointSaveError
 from framework.checkpoint.restore import load_test_weights
 from framework.config.instantiate import error_line
 from framework.core.errors import ConfigError, Interrupted, UserError
+from framework.core.files import write_json
 from framework.core.signals import SignalWatch, watched
 from framework.loop.evaluate import move_to
 from framework.loop.preflight import check_first_batches
 from framework.loop.run import Run
 from framework.observe.profiler import build_profiler
-from framework.observe.tensorboard import print_summary, write_json
+from framework.observe.summary import print_summary
 from framework.task import hooks as task_hooks
 from framework.task.task import StepOutput, as_step_output
 

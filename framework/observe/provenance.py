@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from framework.core import files
-from framework.observe.tensorboard import write_json
+from framework.core.files import write_json
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from framework.core.files import write_json
 from framework.observe.layout import layout
 from framework.observe.progress import file_only
-from framework.observe.tensorboard import write_json
 from framework.observe.trackers import Trackers
 from framework.optim.groups import describe_groups, format_groups
 from framework.optim.schedulers import lr_plan

@@ -68,7 +68,7 @@ class TrackedRun:
 
     def remember(self, key: str, value: Any) -> None:
         """One entry of trackers.json, written atomically (imported here: loggers.py imports this module)."""
-        from framework.observe.tensorboard import write_json
+        from framework.core.files import write_json
 
         write_json(self.run_dir / RECORD, {**self.record(), key: value})
 

@@ -21,9 +21,10 @@ from omegaconf import DictConfig, open_dict
 
 from framework.checkpoint import Checkpoint, DamagedCheckpoint, check_compatible, find_latest, open_checkpoint
 from framework.core.errors import ConfigError
+from framework.core.files import write_json
 from framework.loop.preflight import check_first_batches
 from framework.loop.run import Run
-from framework.observe.tensorboard import print_summary, write_json
+from framework.observe.summary import print_summary
 from framework.task import hooks as task_hooks
 
 log = logging.getLogger("framework.loop.trainer")  # run.log's lines of a run, whatever its stage

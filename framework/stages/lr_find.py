@@ -33,7 +33,7 @@ from framework.core.files import write_json
 from framework.loop.evaluate import move_to
 from framework.loop.preflight import check_first_batches
 from framework.loop.run import Run
-from framework.observe.tensorboard import SUMMARY_LOGGER
+from framework.observe.summary import SUMMARY_LOGGER
 from framework.task import hooks as task_hooks
 from framework.task.task import StepOutput, as_step_output
 

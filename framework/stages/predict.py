@@ -15,10 +15,10 @@ from omegaconf import DictConfig
 from framework.checkpoint import Checkpoint
 from framework.config.instantiate import FULL_ERROR_HINT, build, error_line
 from framework.core.errors import ConfigError, UserError
-from framework.core.files import write_text
+from framework.core.files import write_json, write_text
 from framework.loop.evaluate import move_to
 from framework.loop.run import Run
-from framework.observe.tensorboard import print_summary, write_json
+from framework.observe.summary import print_summary
 from framework.stages.evaluate import load_weights, stage_summary
 from framework.stages.predictions import PredictionWriter, merge
 from framework.task import hooks as task_hooks

@@ -1,0 +1,121 @@
+"""What a callback's `trainer` and a task's `self.trainer` are during a run: Lightning's names for where the run is
+and what it holds (`global_step`, `current_epoch`, `callback_metrics`, `is_global_zero`, `logger`, `model`, ...),
+`log` and `request_stop` to act on it, and `log_from_task` behind `Task.log`.
+
+It holds the parts it answers from, never the Trainer, and the task only weakly: the task keeps it as
+`self.trainer`, so nothing of the run refers back to the task, and a finished run is freed without a collection.
+"""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from framework.checkpoint.state import Progress
+from framework.data.module import DataModule
+from framework.loop.stop import Stop
+from framework.observe.metric_logger import MetricLogger
+from framework.observe.tensorboard import TensorBoardLogger
+from framework.parallel.strategy import Strategy
+
+
+class RunView:
+    """Lightning's Trainer names over a run's parts. `model` is the task's model as the loop runs it (wrapped by
+    DDP/DP; `trainer.compile` compiles it in place), `module` the model itself, unwrapped: what is saved, exported and
+    averaged."""
+
+    def __init__(
+        self,
+        *,
+        metric_logger: MetricLogger,
+        progress: Progress,
+        stop: Stop,
+        strategy: Strategy,
+        task: nn.Module,
+        model_attr: str,
+        data: DataModule,
+        optimizer: torch.optim.Optimizer,
+        param_group_names: list[str],
+        tensorboard: TensorBoardLogger,
+        run_dir: Path,
+        max_epochs: int,
+        max_steps: int,
+        log_every_n_steps: int,
+    ) -> None:
+        self._metrics, self._progress, self._stop, self._strategy = metric_logger, progress, stop, strategy
+        self._task: Callable[[], Optional[nn.Module]] = weakref.ref(task)
+        self._model_attr = model_attr
+        self.datamodule, self.optimizer, self.param_group_names = data, optimizer, param_group_names
+        self.logger, self.run_dir = tensorboard, run_dir
+        self.max_epochs, self.max_steps, self.log_every_n_steps = max_epochs, max_steps, log_every_n_steps
+        self.log_from_task = metric_logger.task_log  # Task.log
+
+    # ------------------------------------------------------------------ where the run is
+    @property
+    def global_step(self) -> int:
+        return self._progress.step
+
+    @property
+    def current_epoch(self) -> int:
+        return self._progress.epoch
+
+    @property
+    def callback_metrics(self) -> dict[str, float]:
+        return self._metrics.metrics
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self._strategy.is_rank_zero
+
+    @property
+    def world_size(self) -> int:
+        return self._strategy.world_size
+
+    # ------------------------------------------------------------------ what it holds
+    @property
+    def data(self) -> DataModule:
+        """The DataModule (Lightning's `trainer.datamodule`, also by that name)."""
+        return self.datamodule
+
+    @property
+    def loggers(self) -> list[Any]:
+        """Lightning's list of loggers: TensorBoard's (its SummaryWriter is `.experiment`)."""
+        return [self.logger]
+
+    @property
+    def model(self) -> nn.Module:
+        task = self._task()
+        assert task is not None, "the run's task is gone"
+        return getattr(task, self._model_attr)
+
+    @property
+    def module(self) -> nn.Module:
+        return self._strategy.unwrap(self.model)
+
+    # ------------------------------------------------------------------ acting on it
+    @property
+    def should_stop(self) -> bool:
+        return bool(self._stop.reason)
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        """Lightning's `trainer.should_stop = True` (a callback's or the task's): request_stop without a reason."""
+        if value:
+            self._stop.request("trainer.should_stop was set")
+
+    @property
+    def stop_reason(self) -> str:
+        return self._stop.reason
+
+    def request_stop(self, reason: str) -> None:
+        """Stop at the next optimizer-step boundary (every rank at the same one, once trainer.min_epochs and
+        min_steps are reached); `reason` goes to the console and summary.json. The first reason given wins."""
+        self._stop.request(reason)
+
+    def log(self, name: str, value: Union[float, torch.Tensor]) -> None:
+        """A scalar for TensorBoard at the next logging step (a tensor is read then, with the loss: no sync)."""
+        self._metrics.log(name, value)
