@@ -24,6 +24,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -229,15 +230,34 @@ def tiny_data(train: int = 12, val: int = 10, test: int = 10):
     return data
 
 
-def evaluator_for(task, data, *, run_dir: Path | None = None, overfit: int = 0, val_batches: float = 1.0):
-    """The run's parts around `task` on the CPU, built directly: its metric logger (TensorBoard in `run_dir`, none
-    without one), the handle its self.log goes through, and the Evaluator validation and test share."""
+def view_for(task, logger, *, progress=None, stop=None, strategy=None, run_dir: Path | None = None,
+             max_epochs: int = 1, max_steps: int = -1):
+    """The run's view (what `task.trainer` and a callback's `trainer` are), built directly around a metric logger, set
+    as the task's trainer."""
     import torch
 
     from framework.checkpoint.state import Progress
-    from framework.loop.evaluate import Evaluator
     from framework.loop.stop import Stop
-    from framework.observe.metric_logger import MetricLogger, TaskHandle
+    from framework.loop.view import RunView
+    from framework.parallel.strategy import Strategy
+
+    strategy = strategy or Strategy(torch.device("cpu"))
+    model = getattr(task, "model", None) or torch.nn.Identity()
+    parts = types.SimpleNamespace(model=model, data=None, optimizer=None)
+    limits = types.SimpleNamespace(max_epochs=max_epochs, max_steps=max_steps, log_every_n_steps=1)
+    view = RunView(parts, [], logger, progress or Progress(), stop or Stop(strategy, 0, 0), strategy, limits,
+                   run_dir or Path("unused"))
+    task.trainer = view
+    return view
+
+
+def evaluator_for(task, data, *, run_dir: Path | None = None, overfit: int = 0, val_batches: float = 1.0):
+    """The run's parts around `task` on the CPU, built directly: its metric logger (TensorBoard in `run_dir`, none
+    without one), the view its self.log goes through, and the Evaluator validation and test share."""
+    import torch
+
+    from framework.loop.evaluate import Evaluator
+    from framework.observe.metric_logger import MetricLogger
     from framework.observe.tensorboard import TensorBoardLogger
     from framework.parallel.precision import Precision
     from framework.parallel.strategy import Strategy
@@ -248,12 +268,11 @@ def evaluator_for(task, data, *, run_dir: Path | None = None, overfit: int = 0, 
     logger = MetricLogger(device=cpu, tensorboard=tensorboard, bar=None, run_dir=run_dir, accumulate=1,
                           steps_per_epoch=1)
     logger.attach(task)
-    task.trainer = TaskHandle(logger, Progress(), Stop(strategy, 0, 0), is_global_zero=True, world_size=1,
-                              max_epochs=1, max_steps=-1)
+    view_for(task, logger, strategy=strategy, run_dir=run_dir)
     step_fns = {m: step_function(task, m) for m in ("training_step", "validation_step", "test_step")}
-    return Evaluator(task=task, model_attr="model", data=data, strategy=strategy, precision=Precision("fp32", cpu),
-                     metric_logger=logger, step_fns=step_fns, limits={"val": val_batches, "test": 1.0},
-                     overfit=overfit)
+    return Evaluator(task=task, model_attr="model", model=task.model, data=data, strategy=strategy,
+                     precision=Precision("fp32", cpu), metric_logger=logger, step_fns=step_fns,
+                     limits={"val": val_batches, "test": 1.0}, overfit=overfit)
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:

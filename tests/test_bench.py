@@ -41,15 +41,15 @@ def test_bench_experiment_composes_to_the_workload_and_trains(compose, tmp_path)
     assert cfg.precision.mode.value == "fp32" and cfg.parallel.strategy.value == "single"
 
     trainer = Trainer(cfg, tmp_path)
-    model = trainer.strategy.unwrap(trainer.task.model)
+    model = trainer.run.strategy.unwrap(trainer.run.task.model)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert [(m.in_features, m.out_features) for m in linears] == [(128, 256), (256, 256), (256, 10)]
-    assert len(trainer.optimizer.param_groups) == 1
-    group = trainer.optimizer.param_groups[0]
+    assert len(trainer.run.optimizer.param_groups) == 1
+    group = trainer.run.optimizer.param_groups[0]
     assert (group["lr"], group["momentum"], group["weight_decay"], group["nesterov"]) == (0.05, 0.9, 0.0, False)
-    assert trainer.data.num_batches("train") == 32_768 // 128
+    assert trainer.run.data.num_batches("train") == 32_768 // 128
     # The framework and the hand-written loops train on the same tensors.
-    for ours, theirs in zip(trainer.data.datasets["train"].tensors, classification(seed=handwritten.DATA_SEED).tensors):
+    for ours, theirs in zip(trainer.run.data.datasets["train"].tensors, classification(seed=handwritten.DATA_SEED).tensors):
         assert torch.equal(ours, theirs)
 
     with contextlib.redirect_stdout(io.StringIO()):
@@ -60,7 +60,7 @@ def test_bench_experiment_composes_to_the_workload_and_trains(compose, tmp_path)
 
 def test_hand_written_loops_start_from_the_framework_initial_weights(compose, tmp_path):
     trainer = Trainer(compose("experiment=bench", "trainer.max_steps=1"), tmp_path)
-    ours = [p.detach() for p in trainer.task.model.parameters()]
+    ours = [p.detach() for p in trainer.run.task.model.parameters()]
     torch.manual_seed(handwritten.SEED)
     theirs = list(handwritten.make_model().parameters())
     assert len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs))
@@ -124,12 +124,12 @@ def test_realistic_contenders_train_the_framework_model_and_optimizer(compose, t
     realistic.make_images(tmp_path / "images", 10, 10)
     overrides = realistic.framework_overrides(tmp_path / "images", tmp_path / "run", 0, 1, 2, "none")
     trainer = Trainer(compose(*[o for o in overrides if not o.startswith("hydra.")]), tmp_path / "run")
-    ours = trainer.strategy.unwrap(trainer.task.model).state_dict()
+    ours = trainer.run.strategy.unwrap(trainer.run.task.model).state_dict()
     theirs = realistic.make_model().state_dict()
     assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
     groups = realistic.make_optimizer(realistic.make_model()).param_groups
     assert sorted((len(g["params"]), g["lr"], g["momentum"], g["weight_decay"]) for g in groups) == \
-        sorted((len(g["params"]), g["lr"], g["momentum"], g["weight_decay"]) for g in trainer.optimizer.param_groups)
+        sorted((len(g["params"]), g["lr"], g["momentum"], g["weight_decay"]) for g in trainer.run.optimizer.param_groups)
 
 
 @pytest.mark.e2e  # a whole benchmark script, in this process

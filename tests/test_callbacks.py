@@ -57,13 +57,10 @@ class Recorder(Callback):
 
 
 def test_hooks_run_in_lightnings_order_with_the_step_they_follow(compose, tmp_path):
-    trainer = make(compose, tmp_path, "callbacks=none", "trainer.max_epochs=1", "trainer.limit_train_batches=2",
-                   "trainer.accumulate_grad_batches=2", "trainer.test=true", "checkpoint=none")
-    recorder = Recorder()
-    trainer.callbacks = CallbackList({"rec": recorder})  # before fit: as if built from config
-    recorder.setup(trainer, trainer.task)
-    trainer._before_step = lambda: recorder.on_before_optimizer_step(trainer, trainer.task, trainer.optimizer)
-    trainer._before_zero_grad = trainer.callbacks.bound("on_before_zero_grad")
+    trainer = make(compose, tmp_path, "callbacks=none", "+callbacks.rec._target_=test_callbacks.Recorder",
+                   "trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.accumulate_grad_batches=2",
+                   "trainer.test=true", "checkpoint=none")
+    recorder = dict(trainer.run.callbacks)["rec"]
     trainer.fit()
     assert recorder.calls == [
         ("setup", 0), ("on_fit_start", 0), ("on_train_epoch_start", 0),
@@ -161,14 +158,14 @@ def test_ema_follows_the_formula_and_leaves_the_raw_weights_bit_identical(compos
     with_ema = make(compose, tmp_path / "ema", *common, "+callbacks.ema={_target_: framework.callbacks.ema.EMA, "
                     "decay: 0.9, warmup: true}")
     recorder = Recorder()
-    ema = with_ema.callbacks.callbacks["ema"]
+    ema = with_ema.run.callbacks.callbacks["ema"]
     with_ema.callbacks = CallbackList({"ema": ema, "rec": recorder})
     with_ema._before_zero_grad = with_ema.callbacks.bound("on_before_zero_grad")
-    initial = [t.detach().clone() for t in with_ema.module.state_dict().values()]
+    initial = [t.detach().clone() for t in with_ema.run.module.state_dict().values()]
     summary = with_ema.fit()
     # Validation swapped the average in and the raw weights back: training is untouched by it.
-    for name, value in plain.module.state_dict().items():
-        assert torch.equal(with_ema.module.state_dict()[name], value), name
+    for name, value in plain.run.module.state_dict().items():
+        assert torch.equal(with_ema.run.module.state_dict()[name], value), name
     expected = initial
     for n, weights in enumerate(recorder.weights, start=1):
         decay = min(0.9, (1 + n) / (10 + n))
@@ -230,7 +227,7 @@ def test_grad_norms_are_logged_per_group_and_in_total_at_log_steps(compose, tmp_
                    "callbacks=grad_norm")
     trainer.fit()
     scalars = read_scalars(tmp_path)
-    groups = [f"grad_norm/{name}" for name in trainer.param_group_names]
+    groups = [f"grad_norm/{name}" for name in trainer.run.param_group_names]
     assert len(groups) == 2  # the default optimizer: decay and no_decay groups
     for tag in [*groups, "grad_norm/total"]:
         assert [step for step, _ in scalars[tag]] == [4, 8, 12], tag
@@ -254,8 +251,8 @@ def test_val_every_n_steps_validates_mid_epoch_and_top_k_and_plateau_act_on_it(c
     scalars = read_scalars(tmp_path)
     # 20 steps per epoch: by step at 7, 14, (21), 28, 35; by epoch at 20 and 40.
     assert [step for step, _ in scalars["val/loss"]] == [7, 14, 20, 21, 28, 35, 40]
-    assert trainer.progress.validations == 7
-    kept = {name for _, name in trainer.checkpoints.top_k}
+    assert trainer.run.progress.validations == 7
+    kept = {name for _, name in trainer.run.checkpoints.top_k}
     assert kept <= {f"step-{s}" for s in (7, 14, 20, 21, 28, 35, 40)} and kept
     lrs = [lr for _, lr in scalars["lr/default"]]
     assert lrs[0] == pytest.approx(0.1) and min(lrs) < 0.09  # the plateau scheduler stepped on these validations

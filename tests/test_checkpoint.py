@@ -466,7 +466,7 @@ def initial_weights(compose, tmp_path: Path, *overrides: str) -> dict[str, torch
     from framework.loop.trainer import Trainer
 
     trainer = Trainer(compose("logger.tensorboard=false", *overrides), tmp_path / "run")
-    return trainer.strategy.unwrap(trainer.task.model).state_dict()
+    return trainer.run.strategy.unwrap(trainer.run.task.model).state_dict()
 
 
 def other_model(compose) -> torch.nn.Module:

@@ -655,8 +655,8 @@ def test_validate_state_accepts_every_component_a_real_run_saved_against_a_fresh
     Trainer(cfg, tmp_path / "run").fit()
     state = open_checkpoint(tmp_path / "run" / "checkpoints" / "last").state()
     fresh = Trainer(cfg, tmp_path / "fresh")
-    fresh.state.check(state, "checkpoint")  # every registered part against the live component it is for
-    assert set(state) == set(fresh.state.parts)
+    fresh.run.state.check(state, "checkpoint")  # every registered part against the live component it is for
+    assert set(state) == set(fresh.run.state.parts)
 
 
 def adam_with(change: Callable[[dict], None], live_stepped: bool = False) -> tuple[dict, dict]:

@@ -98,7 +98,7 @@ def test_a_compiled_run_killed_midway_resumes_bit_identical_and_loads_uncompiled
               "checkpoint.keep_last=-1", "checkpoint.save_last=true", "checkpoint.async_save=false")
     compiled = ("trainer.compile=true", *common)
     (tmp_path / "whole").mkdir()
-    with caplog.at_level(logging.INFO, logger="framework.loop.trainer"):
+    with caplog.at_level(logging.INFO, logger="framework.observe.compile_report"):
         torch.compiler.reset()
         summary = Trainer(compose(*compiled), tmp_path / "whole").fit()
     assert summary["compile"]["compilations"] >= 2  # the evaluation's graph (no grad) and training's

@@ -297,12 +297,12 @@ def test_a_cnn_in_channels_last_trains_from_pinned_batches(compose, tmp_path):
 
     cfg = compose("logger.progress_bar=false", "model=cnn", "data=fake", "data.pin_memory=true", *TINY)
     trainer = Trainer(cfg, tmp_path)
-    inputs, _ = next(iter(trainer.data.batches("train")))
+    inputs, _ = next(iter(trainer.run.data.batches("train")))
     assert inputs.is_pinned()  # copied to the GPU with non_blocking=True
-    trainer.task.model.to(memory_format=torch.channels_last)
+    trainer.run.task.model.to(memory_format=torch.channels_last)
     summary = trainer.fit()
     assert summary["step"] == 4 and torch.isfinite(torch.tensor(summary["train/loss"]))
-    conv = next(m for m in trainer.task.model.modules() if isinstance(m, nn.Conv2d))
+    conv = next(m for m in trainer.run.task.model.modules() if isinstance(m, nn.Conv2d))
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)
 
 

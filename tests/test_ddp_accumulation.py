@@ -64,9 +64,9 @@ def _counting_worker(rank: int, world: int, ports: list[int], cfg: Any, run_dir:
             buckets.append((bucket.buffer().numel(), bucket.is_last()))
             return allreduce_hook(state, bucket)
 
-        trainer.task.model.register_comm_hook(None, count)
+        trainer.run.model.register_comm_hook(None, count)
         summary = trainer.fit()  # tears the process group down: the next fit joins a fresh one
-        params = sum(p.numel() for p in trainer.task.model.module.parameters() if p.requires_grad)
+        params = sum(p.numel() for p in trainer.run.model.module.parameters() if p.requires_grad)
         record = {"buckets": buckets, "steps": summary["step"], "params": params}
         (run_dir / f"{name}-rank{rank}.json").write_text(json.dumps(record))
 

@@ -12,10 +12,11 @@ from torch import nn
 
 from framework.checkpoint.state import Progress
 from framework.loop.stop import Stop
-from framework.observe.metric_logger import MetricLogger, TaskHandle
+from framework.observe.metric_logger import MetricLogger
 from framework.observe.tensorboard import TensorBoardLogger
 from framework.parallel.strategy import Strategy
 from framework.task.task import Task
+from conftest import view_for
 
 pytestmark = pytest.mark.unit
 META = torch.device("meta")
@@ -27,9 +28,8 @@ def meta_logger(tmp_path: Path) -> tuple[MetricLogger, Task]:
                           run_dir=tmp_path, accumulate=1, steps_per_epoch=10)
     task = Task(nn.Linear(2, 2))
     logger.attach(task)
-    task.trainer = TaskHandle(logger, Progress(), Stop(Strategy(META), 0, 0), is_global_zero=True, world_size=1,
-                              max_epochs=1, max_steps=-1)
-    logger.window.losses.append(torch.zeros((), device=META))  # the loop's loss, on the device
+    view_for(task, logger, strategy=Strategy(META))
+    logger.record_loss(torch.zeros((), device=META))  # the loop's loss, on the device
     return logger, task
 
 

@@ -33,10 +33,10 @@ def test_the_lrs_grow_exponentially_and_the_suggestion_is_a_tenth_of_the_lowest_
 
 
 def _run(compose, tmp_path, *overrides: str):
-    from framework.loop.run import Run
+    from framework.loop.run import assemble
 
     cfg = compose("stage=fit", "trainer.device=cpu", *QUIET, *overrides)
-    return Run(cfg, tmp_path)
+    return assemble(cfg, tmp_path)
 
 
 def test_every_group_is_scaled_by_its_multiplier_and_the_run_is_put_back_with_no_checkpoint(compose, tmp_path):

@@ -42,11 +42,10 @@ class AllocatesInTheFirstEpoch(Callback):
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="resets the peak through Linux's /proc")
 def test_each_epoch_reports_its_own_peak_not_the_processs(compose, tmp_path):
-    cfg = compose("logger.progress_bar=false", "callbacks=none", "trainer.max_epochs=2",
-                  "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "trainer.test=false")
-    trainer = Trainer(cfg, tmp_path)
-    trainer.callbacks = CallbackList({"big": AllocatesInTheFirstEpoch()})  # before fit: as if built from config
-    trainer.fit()
+    cfg = compose("logger.progress_bar=false", "callbacks=none", "+callbacks.big._target_=test_memory.AllocatesInTheFirstEpoch",
+                  "trainer.max_epochs=2", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1",
+                  "trainer.test=false")
+    Trainer(cfg, tmp_path).fit()
     (_, first), (_, second) = read_scalars(tmp_path)["perf/max_memory_mb"]
     assert second < first - BIG_MB / 2, (first, second)
 

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_scalars
+from conftest import read_scalars, view_for
 from torch import nn
 
 from framework.checkpoint.state import Progress
 from framework.core.errors import ConfigError, UserError
 from framework.loop.stop import Stop
-from framework.observe.metric_logger import OWN_LOSS, MetricLogger, TaskHandle, TrainLog, stage_name
+from framework.observe.logged import OWN_LOSS, TrainLog, stage_name
+from framework.observe.metric_logger import MetricLogger
 from framework.observe.tensorboard import TensorBoardLogger
 from framework.parallel.strategy import Strategy
 from framework.task.task import Task
@@ -46,14 +47,13 @@ def make(tmp_path: Path, *, accumulate: int = 1, steps_per_epoch: int = 10) -> t
                           accumulate=accumulate, steps_per_epoch=steps_per_epoch)
     task = Logging()
     logger.attach(task)
-    task.trainer = TaskHandle(logger, Progress(), Stop(Strategy(CPU), 0, 0), is_global_zero=True, world_size=1,
-                              max_epochs=1, max_steps=-1)
+    view_for(task, logger)
     return logger, task
 
 
 def step(logger: MetricLogger, loss: float = 1.0) -> None:
     """What the loop does for a training batch: its loss joins the window."""
-    logger.window.losses.append(torch.tensor(loss))
+    logger.record_loss(torch.tensor(loss))
 
 
 def written(logger: MetricLogger, tmp_path: Path) -> dict[str, list[tuple[int, float]]]:
@@ -67,9 +67,8 @@ def test_a_training_step_logs_on_step_and_an_epoch_hook_logs_on_epoch_by_default
     step(logger)
     task.log("train/in_step", 2.0)
     logger.flush(5, {})
-    logger.epoch_hook = True  # on_train_epoch_end
-    task.log("train/in_hook", 3.0)
-    logger.epoch_hook = False
+    with logger.epoch_hook():  # on_train_epoch_end
+        task.log("train/in_hook", 3.0)
     epoch = logger.end_epoch(task, 5, {})
     scalars = written(logger, tmp_path)
     assert scalars["train/in_step"] == [(5, 2.0)]  # at the logging step, not as an epoch value
@@ -110,9 +109,9 @@ def test_reduce_fx_reduces_the_epoch_values_in_training_and_in_validation(tmp_pa
         for value in (1.0, 5.0, 3.0):
             task.log("val/x", value, reduce_fx=reduce_fx)
     _, values = logged.finish(Strategy(CPU), task, {}, 0)
-    logger.epoch_hook = True
-    for value in (1.0, 5.0, 3.0):
-        task.log("train/x", value, reduce_fx=reduce_fx)
+    with logger.epoch_hook():
+        for value in (1.0, 5.0, 3.0):
+            task.log("train/x", value, reduce_fx=reduce_fx)
     assert values["val/x"] == expected
     assert logger.end_epoch(task, 1, {})["train/x"] == expected
 
@@ -129,13 +128,13 @@ def test_an_epoch_mean_is_weighted_by_batch_size_given_or_the_batchs_own(tmp_pat
     with logger.evaluation("val") as logged:
         task.log("val/given", 2.0, batch_size=3)
         task.log("val/given", 6.0, batch_size=1)
-        logger.batch_n = 3  # what the evaluation sets for each batch: its sample count
+        logger.begin_batch(3)  # what the evaluation says for each batch: its sample count
         task.log("val/own", 2.0)
-        logger.batch_n = 1
+        logger.begin_batch(1)
         task.log("val/own", 6.0)
-    logger.epoch_hook = True  # the same in training's epoch values
-    task.log("train/given", 2.0, batch_size=3)
-    task.log("train/given", 6.0, batch_size=1)
+    with logger.epoch_hook():  # the same in training's epoch values
+        task.log("train/given", 2.0, batch_size=3)
+        task.log("train/given", 6.0, batch_size=1)
     _, values = logged.finish(Strategy(CPU), task, {}, 0)
     assert values == {"val/given": 3.0, "val/own": 3.0}  # (2*3 + 6*1) / 4, not 4.0, the mean of the two values
     assert logger.end_epoch(task, 1, {})["train/given"] == 3.0
@@ -240,14 +239,13 @@ def test_an_old_checkpoints_train_loss_sum_is_read_as_the_windows_own_and_report
     assert logger.end_epoch(task, 4, {}) == {"train/loss_epoch": 2.0}  # (6 + 2) / (3 + 1)
 
 
-# ---------------------------------------------------------------------------------------------- the task's handle
-def test_the_tasks_handle_reports_the_runs_position_metrics_and_tensorboard(tmp_path):
+# ---------------------------------------------------------------------------------------------- the task's view
+def test_the_tasks_view_reports_the_runs_position_metrics_and_tensorboard(tmp_path):
     logger, task = make(tmp_path)
     progress = Progress(step=7, epoch=2)
-    task.trainer = TaskHandle(logger, progress, Stop(Strategy(CPU), 0, 0), is_global_zero=True, world_size=1,
-                              max_epochs=3, max_steps=-1)
+    view_for(task, logger, progress=progress, max_epochs=3)
     logger.metrics["val/acc"] = 0.5
     assert (task.global_step, task.current_epoch, task.trainer.callback_metrics) == (7, 2, {"val/acc": 0.5})
-    progress.step += 1  # the loop's own Progress, read live
+    progress.stepped()  # the loop's own Progress, read live
     assert task.global_step == 8
     assert task.logger is logger.tensorboard

@@ -236,10 +236,10 @@ def test_dry_run_prints_summary_groups_and_plan_without_training(compose, tmp_pa
     caplog.set_level("INFO")
     cfg = compose("logger.progress_bar=false", "trainer.dry_run=true", "scheduler=cosine")
     trainer = Trainer(cfg, tmp_path)
-    before = [p.detach().clone() for p in trainer.task.parameters()]
+    before = [p.detach().clone() for p in trainer.run.task.parameters()]
     trainer.fit()
-    assert all(torch.equal(a, b) for a, b in zip(before, trainer.task.parameters()))
-    assert trainer.global_step == 0 and not (tmp_path / "summary.json").exists()
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.run.task.parameters()))
+    assert trainer.run.view.global_step == 0 and not (tmp_path / "summary.json").exists()
     text = caplog.text
     assert "Linear" in text and "total params: 85,002" in text and "no_decay" in text and "LR plan" in text
 
@@ -247,7 +247,7 @@ def test_dry_run_prints_summary_groups_and_plan_without_training(compose, tmp_pa
 def test_resnet18_finetune_preset_puts_the_head_at_ten_times_the_backbone_lr(compose, tmp_path):
     cfg = compose("experiment=resnet18_finetune", "logger.progress_bar=false")
     trainer = Trainer(cfg, tmp_path)
-    g = {x["name"]: x for x in describe_groups(trainer.optimizer)}
+    g = {x["name"]: x for x in describe_groups(trainer.run.optimizer)}
     assert g["head"]["params"] == ["fc.weight"] and g["head_no_decay"]["params"] == ["fc.bias"]
     assert g["head"]["lr"] == pytest.approx(10 * g["default"]["lr"])
     assert g["no_decay"]["weight_decay"] == 0 and "bn1.weight" in g["no_decay"]["params"]

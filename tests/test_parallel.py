@@ -53,7 +53,7 @@ def _ddp_worker(rank: int, world: int, port: int, cfg: Any, run_dir: Path) -> No
     trainer = Trainer(cfg, run_dir)
     trainer.fit()
     if rank == 0:
-        save_file(trainer.strategy.unwrap(trainer.task.model).state_dict(), str(run_dir / "weights.safetensors"))
+        save_file(trainer.run.strategy.unwrap(trainer.run.task.model).state_dict(), str(run_dir / "weights.safetensors"))
 
 
 def run_ddp(cfg: Any, run_dir: Path, world: int = 2) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ def trainer(compose, tmp_path, *overrides: str) -> Trainer:
 
 
 def flat_weights(t: Trainer) -> torch.Tensor:
-    return torch.cat([p.detach().flatten().clone() for p in t.strategy.unwrap(t.task.model).parameters()])
+    return torch.cat([p.detach().flatten().clone() for p in t.run.strategy.unwrap(t.run.task.model).parameters()])
 
 
 def test_amp_on_cpu_is_bf16_autocast_and_trains(compose, tmp_path):
@@ -47,8 +47,8 @@ def test_fp16_uses_a_grad_scaler_and_clips_true_gradients(compose, tmp_path):
     common = ("trainer.max_steps=1", "optimizer.momentum=0.0", "optimizer.weight_decay=0.0", "optimizer.lr=0.1",
               "data.shuffle=false", "trainer.grad_clip_norm=100")
     fp16 = trainer(compose, tmp_path / "fp16", "precision=fp16", *common)
-    assert fp16.precision.name == "fp16-autocast+gradscaler"
-    assert fp16.precision.scaler.get_scale() == 65536.0
+    assert fp16.run.precision.name == "fp16-autocast+gradscaler"
+    assert fp16.run.precision.scaler.get_scale() == 65536.0
     before = flat_weights(fp16)
     fp16.fit()
     update = float((flat_weights(fp16) - before).norm())
@@ -81,10 +81,10 @@ def test_inf_gradient_skips_the_step_and_leaves_the_scheduler_in_place(compose, 
                 "scheduler=exponential", "scheduler.interval=step", "scheduler.gamma=0.5", "trainer.max_steps=3",
                 "trainer.log_every_n_steps=1", "trainer.grad_clip_norm=1.0")
     t.fit()
-    assert t.precision.skipped_steps == 1
-    assert t.scheduler.scheduler.last_epoch == 2  # 3 optimizer steps, one skipped
-    assert t.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 2)
-    assert all(torch.isfinite(p).all() for p in t.task.parameters())
+    assert t.run.precision.skipped_steps == 1
+    assert t.run.scheduler.scheduler.last_epoch == 2  # 3 optimizer steps, one skipped
+    assert t.run.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 2)
+    assert all(torch.isfinite(p).all() for p in t.run.task.parameters())
     scalars = read_scalars(tmp_path)
     assert [v for _, v in scalars["amp/skipped_steps"]] == [0, 1, 1]
     scales = [v for _, v in scalars["amp/scale"]]

@@ -54,7 +54,7 @@ def test_a_resumed_run_rewrites_its_groups_but_logs_no_second_plan(built, tmp_pa
 def test_a_dry_run_prints_the_global_batch_groups_model_and_plan(built, tmp_path, caplog):
     cfg, parts = built
     cfg.trainer.dry_run = True
-    with caplog.at_level(logging.INFO, logger="framework.loop.trainer"):
+    with caplog.at_level(logging.INFO, logger="framework.observe.setup_report"):
         describe_setup(cfg, parts, world_size=2, run_dir=tmp_path, tensorboard=TensorBoardLogger(tmp_path, False),
                        fresh=True, charts=[], hparams={}, model_summary="MLP(...)")
     batch = parts.data.batch_size

@@ -7,13 +7,15 @@ import signal
 
 import pytest
 import torch
+from torch import nn
 
 from framework.checkpoint.state import Progress
 from framework.core.signals import SignalWatch
 from framework.loop.stop import Stop
-from framework.observe.metric_logger import MetricLogger, TaskHandle
+from framework.observe.metric_logger import MetricLogger
 from framework.observe.tensorboard import TensorBoardLogger
 from framework.parallel.strategy import Strategy
+from conftest import view_for
 
 pytestmark = pytest.mark.unit
 CPU = torch.device("cpu")
@@ -22,7 +24,7 @@ CPU = torch.device("cpu")
 def test_the_first_reason_given_wins():
     stop = Stop(Strategy(CPU), min_epochs=0, min_steps=0)
     stop.request("early_stopping: val/loss did not improve")
-    stop.request("the task set trainer.should_stop")
+    stop.request("trainer.should_stop was set")
     assert stop.reason == "early_stopping: val/loss did not improve"
 
 
@@ -63,9 +65,9 @@ def test_the_tasks_should_stop_is_a_request_held_back_like_a_callbacks(tmp_path)
     stop = Stop(Strategy(CPU), min_epochs=1, min_steps=0)
     logger = MetricLogger(device=CPU, tensorboard=TensorBoardLogger(tmp_path, enabled=False), bar=None,
                           run_dir=tmp_path, accumulate=1, steps_per_epoch=1)
-    handle = TaskHandle(logger, Progress(), stop, is_global_zero=True, world_size=1, max_epochs=3, max_steps=-1)
+    handle = view_for(nn.Linear(1, 1), logger, stop=stop, max_epochs=3)
     handle.should_stop = False
     assert not handle.should_stop and stop.reason == ""
     handle.should_stop = True
-    assert handle.should_stop and stop.reason == "the task set trainer.should_stop"
+    assert handle.should_stop and stop.reason == "trainer.should_stop was set"
     assert not stop.granted(Progress(epoch=0)) and not handle.should_stop  # before min_epochs: dropped

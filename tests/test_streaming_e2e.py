@@ -38,7 +38,7 @@ RECORDER = textwrap.dedent('''
         def on_train_batch_start(self, trainer, task, batch, batch_idx):
             pixels = (batch[0].flatten(1)[:, :2] * 255).round().long()
             ids = (pixels[:, 0] * 256 + pixels[:, 1]).tolist()
-            with open(self.folder / f"rank{trainer.strategy.rank}.txt", "a") as f:
+            with open(self.folder / f"rank{trainer.global_rank}.txt", "a") as f:
                 f.write(f"{trainer.global_step} {' '.join(map(str, ids))}\\n")
 ''')
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import ROOT, output, run_process
 
-from framework.observe.metric_logger import TaskHandle
+from framework.loop.view import RunView
 from framework.task.classification import ClassificationTask
 from framework.task.task import StepOutput
 
@@ -407,7 +407,7 @@ class DeterminismTask(ClassificationTask):
     """Notes, as each job's first step is taken, whether torch's deterministic algorithms are on."""
 
     def training_step(self, batch: Any) -> StepOutput:
-        if isinstance(self.trainer, TaskHandle):  # not the pre-flight check's throw-away copy
+        if isinstance(self.trainer, RunView):  # not the pre-flight check's throw-away copy
             with open(os.environ["DETERMINISM_FILE"], "a") as f:
                 f.write(f"{torch.are_deterministic_algorithms_enabled()}\n")
         return super().training_step(batch)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from conftest import ROOT, TESTS, on_pythonpath, output, run_process
 
-from framework.observe.metric_logger import TaskHandle
+from framework.loop.view import RunView
 from framework.task.classification import ClassificationTask
 from framework.task.task import StepOutput
 
@@ -43,7 +43,7 @@ class SweepPartTask(ClassificationTask):
     played = ""  # the part, once played
 
     def training_step(self, batch: Any) -> StepOutput:
-        if isinstance(self.trainer, TaskHandle) and not self.played:  # not pre-flight's throw-away copy
+        if isinstance(self.trainer, RunView) and not self.played:  # not pre-flight's throw-away copy
             self.played = _play()
         if self.played == "slow":
             time.sleep(0.02)

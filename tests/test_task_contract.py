@@ -711,7 +711,7 @@ class LogsInValidationEnd(Lit):
 @pytest.mark.parametrize("task", [BatchOnly, WithBatchIdx, WithDataloaderIdx, StarArgs], ids=lambda t: t.__name__)
 def test_every_lightning_step_signature_trains_and_gets_the_index_within_the_epoch(compose, tmp_path, task):
     trainer, summary = fit(compose, tmp_path, task)
-    seen = trainer.task.seen
+    seen = trainer.run.task.seen
     assert summary["status"] == "ok" and summary["step"] == 6
     if task is BatchOnly:  # called with the batch alone, once per real batch (the pre-flight check left no count)
         assert seen == {"train": [None] * 6, "val": [None] * 4, "test": [None] * 2}
@@ -723,13 +723,13 @@ def test_batch_idx_continues_within_the_epoch_after_a_mid_epoch_resume(compose, 
     keep_last = ("checkpoint.save_last=true", "trainer.test=false")
     whole, _ = fit(compose, tmp_path / "whole", WithBatchIdx, *keep_last)
     first, _ = fit(compose, tmp_path / "first", WithBatchIdx, *keep_last, "trainer.max_steps=4")
-    assert first.task.batches == whole.task.batches[:4]  # epoch 0's three batches, then epoch 1's first
+    assert first.run.task.batches == whole.run.task.batches[:4]  # epoch 0's three batches, then epoch 1's first
     resumed, summary = fit(compose, tmp_path / "resumed", WithBatchIdx, *keep_last,
                            resume_from=open_checkpoint(tmp_path / "first" / "checkpoints" / "last"))
     assert summary["step"] == 6
     # Epoch 1's batches 1 and 2, as the uninterrupted run trained them: same index, same samples.
-    assert [b[:2] for b in resumed.task.batches] == [(1, 1), (1, 2)]
-    assert resumed.task.batches == whole.task.batches[4:]
+    assert [b[:2] for b in resumed.run.task.batches] == [(1, 1), (1, 2)]
+    assert resumed.run.task.batches == whole.run.task.batches[4:]
 
 
 @pytest.mark.e2e
@@ -752,10 +752,10 @@ def test_a_loss_tensor_a_dict_with_loss_and_a_step_output_train_to_identical_wei
     final = {}
     for kind in ("tensor", "step_output", "dict", "shape_1"):
         trainer, summary = fit(compose, tmp_path / kind, Returns, f"+task.returns={kind}", "trainer.test=false")
-        assert summary["step"] == 6 and trainer.task.steps == 6
-        final[kind] = {k: v.clone() for k, v in trainer.module.state_dict().items()}
+        assert summary["step"] == 6 and trainer.run.task.steps == 6
+        final[kind] = {k: v.clone() for k, v in trainer.run.module.state_dict().items()}
     reference = final.pop("tensor")
-    before = build(compose, tmp_path / "untrained", Returns).module.state_dict()
+    before = build(compose, tmp_path / "untrained", Returns).run.module.state_dict()
     assert not all(torch.equal(before[k], reference[k]) for k in reference)  # it trained
     for kind, weights in final.items():
         different = [k for k in reference if not torch.equal(weights[k], reference[k])]
@@ -779,14 +779,14 @@ def test_every_unusable_return_is_one_line_naming_the_step_before_training(compo
     with pytest.raises(ConfigError) as err:
         trainer.fit()
     assert "Returns.training_step" in str(err.value) and says in str(err.value) and "\n" not in str(err.value)
-    assert trainer.task.steps == 0  # refused by the pre-flight check, on its copy: no real step ran
+    assert trainer.run.task.steps == 0  # refused by the pre-flight check, on its copy: no real step ran
 
 
 def test_a_training_step_returning_none_later_in_the_epoch_is_one_error_naming_it(compose, tmp_path):
     trainer = build(compose, tmp_path, Returns, "+task.returns=none_at_batch_1")
     with pytest.raises(ConfigError, match=r"Returns\.training_step returned None") as err:
         trainer.fit()
-    assert "\n" not in str(err.value) and trainer.task.steps == 2
+    assert "\n" not in str(err.value) and trainer.run.task.steps == 2
 
 
 # ---------------------------------------------------------------------------------------------- 3. logged only
@@ -808,9 +808,9 @@ def test_a_default_test_step_logs_its_val_names_as_test_names_and_leaves_val_alo
     for name in ("test/ce", "test/acc", "test_acc"):
         assert summary[name] == pytest.approx(scalars[name][-1][1], rel=1e-6)
     # The test's value is the test split's, the summary's val/ce the last validation's: they differ.
-    model = trainer.module.eval()
+    model = trainer.run.module.eval()
     with torch.no_grad():
-        batches = list(itertools.islice(trainer.data.batches("test"), 2))
+        batches = list(itertools.islice(trainer.run.data.batches("test"), 2))
         test_ce = sum(F.cross_entropy(model(x), y, reduction="sum").item() for x, y in batches) / 128
     assert summary["test/ce"] == pytest.approx(test_ce, rel=1e-5)
     assert summary["val/ce"] != pytest.approx(summary["test/ce"], rel=1e-4)
@@ -821,7 +821,7 @@ def test_a_default_test_step_logs_its_val_names_as_test_names_and_leaves_val_alo
 def test_every_value_kind_and_reduction_self_log_takes_in_validation_is_computed_as_by_hand(compose, tmp_path):
     # All 270 validation samples: batches of 64, 64, 64, 64 and 14, so that weighting by batch size matters.
     trainer, summary = fit(compose, tmp_path, LogsEveryKind, "trainer.limit_val_batches=1.0", "trainer.test=false")
-    record = trainer.task.record
+    record = trainer.run.task.record
     assert [n for _, n, _, _ in record] == [64, 64, 64, 64, 14]
     losses, sizes = [r[0] for r in record], [r[1] for r in record]
     by_size = weighted_mean(losses, sizes)
@@ -849,7 +849,7 @@ def test_every_value_kind_and_reduction_self_log_takes_in_validation_is_computed
 
 def test_training_logs_follow_on_step_on_epoch_and_reduce_fx(compose, tmp_path):
     trainer, summary = fit(compose, tmp_path, TrainLogs, "trainer.log_every_n_steps=2", "trainer.test=false")
-    record = trainer.task.record
+    record = trainer.run.task.record
     scalars = read_scalars(tmp_path)
     by_step = {step: v for _, step, _, v in record}
     epochs = [[v for e, _, _, v in record if e == epoch] for epoch in (0, 1)]
@@ -897,7 +897,7 @@ def test_a_value_self_log_cannot_take_is_one_line_before_training(compose, tmp_p
         trainer.fit()
     name = "train/bad" if where == "training" else "val/bad"
     assert f"self.log({name!r}, {says})" in str(err.value) and "\n" not in str(err.value)
-    assert trainer.task.train_steps == 0  # refused by the pre-flight check: no step trained
+    assert trainer.run.task.train_steps == 0  # refused by the pre-flight check: no step trained
 
 
 def test_a_metric_logged_in_validation_is_computed_per_validation_and_reset_after_its_epoch_end_hook(compose,
@@ -908,7 +908,7 @@ def test_a_metric_logged_in_validation_is_computed_per_validation_and_reset_afte
     # epoch-end hook there): 80, 81.
     assert [v for _, v in scalars["val/peak"]] == [101.0, 91.0]
     assert [v for _, v in scalars["val/mean"]] == [100.5, 90.5]
-    assert trainer.task.in_hook == [(101.0, 100.5), (91.0, 90.5)]  # the hook sees the epoch's state, not reset yet
+    assert trainer.run.task.in_hook == [(101.0, 100.5), (91.0, 90.5)]  # the hook sees the epoch's state, not reset yet
     assert (summary["val/peak"], summary["test/peak"], summary["test/mean"]) == (91.0, 81.0, 80.5)
 
 
@@ -942,8 +942,8 @@ def test_every_hook_a_task_defines_is_called_once_where_the_loop_is(compose, tmp
     expected = ["setup(fit)", "on_fit_start", "on_train_start", *epoch * 2, "on_train_end", "on_test_start",
                 "on_test_epoch_start", "on_test_batch_start", "test_step", "on_test_batch_end", "on_test_epoch_end",
                 "on_test_end", "on_fit_end", "teardown(fit)"]
-    assert trainer.task.calls == expected
-    called = {c.split("(")[0] for c in trainer.task.calls} - {"training_step", "validation_step", "test_step"}
+    assert trainer.run.task.calls == expected
+    called = {c.split("(")[0] for c in trainer.run.task.calls} - {"training_step", "validation_step", "test_step"}
     assert called == set(task_hooks.CALLED) - {"on_exception", "on_save_checkpoint", "on_load_checkpoint"}
 
 
@@ -951,26 +951,26 @@ def test_on_exception_gets_the_error_that_ends_the_run_and_teardown_still_runs(c
     trainer = build(compose, tmp_path, FailsAtBatch1)
     with pytest.raises(RuntimeError, match="boom at batch 1"):
         trainer.fit()
-    calls = trainer.task.calls
+    calls = trainer.run.task.calls
     assert calls[-2:] == ["on_exception", "teardown(fit)"]
-    assert str(trainer.task.exception) == "boom at batch 1"
+    assert str(trainer.run.task.exception) == "boom at batch 1"
     assert "on_fit_end" not in calls and "on_train_end" not in calls
 
 
 def test_on_train_epoch_end_comes_after_the_epochs_validation_as_in_lightning(compose, tmp_path):
     trainer, _ = fit(compose, tmp_path, EpochWatcher, "trainer.test=false")
-    assert trainer.task.val_seen_at_train_epoch_end == [1.0, 2.0]
+    assert trainer.run.task.val_seen_at_train_epoch_end == [1.0, 2.0]
 
 
 def test_current_epoch_in_epoch_end_hooks_is_the_epoch_that_is_ending(compose, tmp_path):
     trainer, _ = fit(compose, tmp_path, EpochWatcher, "trainer.max_epochs=1", "trainer.test=false")
-    assert sorted(set(trainer.task.epochs)) == [("on_train_epoch_end", 0), ("on_validation_epoch_end", 0),
+    assert sorted(set(trainer.run.task.epochs)) == [("on_train_epoch_end", 0), ("on_validation_epoch_end", 0),
                                                 ("training_step", 0)]
 
 
 def test_on_train_batch_end_gets_the_loss_as_outputs_loss(compose, tmp_path):
     trainer, _ = fit(compose, tmp_path, BatchEndReadsLoss, "trainer.max_epochs=1", "trainer.test=false")
-    assert len(trainer.task.losses) == 3 and all(math.isfinite(loss) for loss in trainer.task.losses)
+    assert len(trainer.run.task.losses) == 3 and all(math.isfinite(loss) for loss in trainer.run.task.losses)
 
 
 @pytest.mark.parametrize("name", sorted(task_hooks.REPLACED))
@@ -991,7 +991,7 @@ def test_configure_optimizers_is_one_error_line_and_leaves_no_run(tmp_path):
 
 def test_a_method_name_the_framework_does_not_know_is_left_alone(compose, tmp_path):
     trainer, summary = fit(compose, tmp_path, UNCALLED_TASKS["on_my_thing"])
-    assert summary["status"] == "ok" and trainer.task.noted == []
+    assert summary["status"] == "ok" and trainer.run.task.noted == []
 
 
 @pytest.mark.parametrize("name", UNCALLED_LIGHTNING_HOOKS)
@@ -1001,27 +1001,27 @@ def test_a_lightning_hook_is_either_called_or_refused(compose, tmp_path, name):
     except ConfigError as err:
         assert name in str(err)
         return
-    assert name in trainer.task.noted
+    assert name in trainer.run.task.noted
 
 
 def test_what_on_save_checkpoint_adds_on_load_checkpoint_gets_back_on_resume(compose, tmp_path):
     keep_last = ("checkpoint.save_last=true", "trainer.test=false")
     first, _ = fit(compose, tmp_path / "first", Keeper, *keep_last, "trainer.max_epochs=1")
-    assert first.task.steps_done == 3 and first.task.loaded is None
+    assert first.run.task.steps_done == 3 and first.run.task.loaded is None
     resumed, summary = fit(compose, tmp_path / "resumed", Keeper, *keep_last,
                            resume_from=open_checkpoint(tmp_path / "first" / "checkpoints" / "last"))
-    loaded = resumed.task.loaded
+    loaded = resumed.run.task.loaded
     assert set(loaded) == {"steps_done", "note", "scores", "table"}
     assert (loaded["steps_done"], loaded["note"], list(loaded["scores"])) == (3, "kept", [0.5, 0.25])
     assert torch.equal(torch.as_tensor(loaded["table"]), torch.arange(3.0) * 3)
-    assert resumed.task.events[0] == "on_load_checkpoint"  # before the first resumed step
-    assert resumed.task.steps_done == 6 and summary["step"] == 6
+    assert resumed.run.task.events[0] == "on_load_checkpoint"  # before the first resumed step
+    assert resumed.run.task.steps_done == 6 and summary["step"] == 6
 
 
 # ---------------------------------------------------------------------------------------------- 6. pre-flight
 def test_the_pre_flight_check_leaves_no_trace_in_the_tasks_counts_metrics_buffers_or_lists(compose, tmp_path):
     trainer, _ = fit(compose, tmp_path, Counting)
-    task = trainer.task
+    task = trainer.run.task
     assert task.counts == {"train": 6, "val": 4, "test": 2}  # 2 epochs x 3, 2 validations x 2, 1 test x 2
     assert int(task.train_batches) == 6
     assert task.seen_max.update_count == 10  # every training and validation batch of the real loop, no more
@@ -1033,8 +1033,8 @@ def test_the_pre_flight_check_leaves_no_trace_in_the_tasks_counts_metrics_buffer
                    "attributes (counters) still see the check's training and validation batch")
 def test_the_pre_flight_check_leaves_no_trace_in_a_task_that_cannot_be_copied(compose, tmp_path):
     trainer, _ = fit(compose, tmp_path, HoldsLock, "trainer.test=false")
-    assert trainer.task.counts == {"train": 6, "val": 4, "test": 0}
-    assert trainer.task.seen_max.update_count == 10
+    assert trainer.run.task.counts == {"train": 6, "val": 4, "test": 0}
+    assert trainer.run.task.seen_max.update_count == 10
 
 
 # ---------------------------------------------------------------------------------------------- 7. monitors
@@ -1053,7 +1053,7 @@ def test_checkpoint_early_stopping_and_plateau_monitor_a_metric_the_task_logs(co
     assert open_checkpoint(Path(summary["best_checkpoint"])).step == 3
     assert summary["tested"] == "best (step 3)"
     # ReduceLROnPlateau (patience 0) cut the LR once, at the second validation, by its factor 0.1.
-    assert [group["lr"] for group in trainer.optimizer.param_groups] == pytest.approx([0.01, 0.01])
+    assert [group["lr"] for group in trainer.run.optimizer.param_groups] == pytest.approx([0.01, 0.01])
 
 
 TYPO_MONITORS = {
@@ -1069,7 +1069,7 @@ def test_a_monitor_no_metric_can_have_is_refused_before_training(compose, tmp_pa
     with pytest.raises(ConfigError) as err:
         trainer.fit()
     assert str(err.value) == f"{key}='val/scroe': no such metric; expected one of val/ce, val/score"
-    assert trainer.task.train_steps == 0
+    assert trainer.run.task.train_steps == 0
 
 
 @pytest.mark.parametrize("key", TYPO_MONITORS)
@@ -1080,7 +1080,7 @@ def test_a_monitor_an_epoch_end_hook_might_log_is_refused_at_the_first_validatio
         trainer.fit()
     assert str(err.value) == (f"{key}='val/scroe': no such metric in the first validation; expected one of "
                               "val/ce, val/score")
-    assert trainer.task.train_steps == 3  # one epoch: the first validation decided
+    assert trainer.run.task.train_steps == 3  # one epoch: the first validation decided
 
 
 @pytest.mark.e2e
@@ -1101,7 +1101,7 @@ def test_self_log_in_on_validation_end_is_refused_or_a_validation_metric(compose
 
 # ---------------------------------------------------------------------------------------------- 8. callbacks
 def spy_of(trainer: Trainer) -> MetricSpy:
-    spy = dict(trainer.callbacks)["spy"]
+    spy = dict(trainer.run.callbacks)["spy"]
     assert isinstance(spy, MetricSpy)
     return spy
 
@@ -1109,7 +1109,7 @@ def spy_of(trainer: Trainer) -> MetricSpy:
 def test_a_callbacks_on_validation_end_sees_the_epochs_train_means_and_its_validation(compose, tmp_path):
     trainer, _ = fit(compose, tmp_path, TrainMetrics, f"+callbacks.spy._target_={HERE}.MetricSpy",
                      "trainer.test=false")
-    means = trainer.task.epoch_means()
+    means = trainer.run.task.epoch_means()
     seen = spy_of(trainer).at_validation_end
     assert len(seen) == 2
     for metrics, (loss, acc) in zip(seen, means):
@@ -1122,7 +1122,7 @@ def test_a_callbacks_on_train_epoch_end_sees_train_loss_and_the_tasks_train_metr
                                                                                                  tmp_path):
     trainer, _ = fit(compose, tmp_path, TrainMetrics, f"+callbacks.spy._target_={HERE}.MetricSpy",
                      "trainer.test=false")
-    means = trainer.task.epoch_means()
+    means = trainer.run.task.epoch_means()
     seen = spy_of(trainer).at_epoch_end
     assert len(seen) == 2
     for metrics, (loss, acc) in zip(seen, means):  # this epoch's means, not the last one's
@@ -1147,8 +1147,8 @@ def test_min_epochs_and_min_steps_hold_early_stopping_back(compose, tmp_path, he
 def test_overfit_batches_trains_and_validates_on_the_same_first_batches_every_epoch(compose, tmp_path):
     trainer, summary = fit(compose, tmp_path, Overfit, "trainer.overfit_batches=2", "trainer.limit_train_batches=1.0",
                            "trainer.limit_val_batches=1.0", "trainer.max_epochs=3", "trainer.test=false")
-    task = trainer.task
-    first_two = [fingerprint(b) for b in itertools.islice(trainer.data.batches("train", 0), 2)]
+    task = trainer.run.task
+    first_two = [fingerprint(b) for b in itertools.islice(trainer.run.data.batches("train", 0), 2)]
     assert first_two[0] != first_two[1] and summary["step"] == 6
     assert task.train_seen == [(e, f) for e in range(3) for f in first_two]
     assert task.val_seen == [(e, f) for e in range(1, 4) for f in first_two]  # after each epoch, on those batches
@@ -1168,11 +1168,11 @@ def test_detect_anomaly_names_the_backward_op_that_made_a_nan_in_one_error_line(
 
 def evaluate_test(trainer: Trainer, weights: dict[str, torch.Tensor]) -> float:
     """Mean cross-entropy of `weights` over the run's two test batches, by hand."""
-    model = copy.deepcopy(trainer.module)
+    model = copy.deepcopy(trainer.run.module)
     model.load_state_dict(weights)
     model.eval()
     with torch.no_grad():
-        batches = list(itertools.islice(trainer.data.batches("test"), 2))
+        batches = list(itertools.islice(trainer.run.data.batches("test"), 2))
         return sum(F.cross_entropy(model(x), y, reduction="sum").item() for x, y in batches) / 128
 
 

@@ -11,7 +11,7 @@ import torch
 from conftest import read_scalars
 
 from framework.loop.trainer import Trainer
-from framework.observe.metric_logger import TaskHandle
+from framework.loop.view import RunView
 from framework.task.classification import ClassificationTask
 from framework.task.task import StepOutput
 
@@ -27,7 +27,7 @@ def make_trainer(compose, run_dir: Path, *overrides: str) -> Trainer:
 
 
 def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
-    model = trainer.strategy.unwrap(trainer.task.model)
+    model = trainer.run.strategy.unwrap(trainer.run.task.model)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -36,7 +36,7 @@ def test_accumulating_two_half_batches_equals_one_full_batch(compose, tmp_path):
     half = make_trainer(compose, tmp_path / "a", *common, "data.batch_size=32", "trainer.accumulate_grad_batches=2")
     full = make_trainer(compose, tmp_path / "b", *common, "data.batch_size=64")
     half.fit(), full.fit()
-    assert half.global_step == full.global_step == 5
+    assert half.run.progress.step == full.run.progress.step == 5
     for name, value in weights(full).items():
         torch.testing.assert_close(weights(half)[name], value, rtol=1e-5, atol=1e-6)
 
@@ -66,11 +66,11 @@ def test_limit_train_batches_as_count_and_as_fraction(compose, tmp_path):
     count = make_trainer(compose, tmp_path / "a", "trainer.max_epochs=2", "trainer.limit_train_batches=3",
                          "trainer.test=false")
     count.fit()
-    assert (count.global_step, count.current_epoch) == (6, 2)
+    assert (count.run.progress.step, count.run.progress.epoch) == (6, 2)
     fraction = make_trainer(compose, tmp_path / "b", "trainer.max_epochs=1", "trainer.limit_train_batches=0.5",
                             "trainer.test=false")
     fraction.fit()
-    assert fraction.global_step == 10
+    assert fraction.run.progress.step == 10
 
 
 def test_max_steps_decides_the_length_and_may_stop_mid_epoch(compose, tmp_path):
@@ -130,7 +130,7 @@ class RecordingTask(ClassificationTask):
     seen: dict[str, set[tuple[bool, bool]]] = {}
 
     def _note(self, kind: str) -> None:
-        if isinstance(self.trainer, TaskHandle):  # not the pre-flight check's throw-away copy (eval mode, no grad)
+        if isinstance(self.trainer, RunView):  # not the pre-flight check's throw-away copy (eval mode, no grad)
             RecordingTask.seen.setdefault(kind, set()).add((self.training, torch.is_grad_enabled()))
 
     def training_step(self, batch: Any) -> StepOutput:
@@ -184,9 +184,10 @@ def test_a_finished_run_frees_everything_it_built(compose, tmp_path):
     assert alive() <= before
 
 
-def test_a_training_step_enters_at_most_four_framework_files_beside_the_runs_own_components(compose, tmp_path):
-    """One step, top to bottom, is read in trainer.py, with the task's step (task.py), precision.py and the ranks'
-    stop agreement (stop.py): nothing else of the framework's machinery runs between two optimizer steps that
+def test_a_training_step_enters_only_the_loop_the_task_precision_the_stop_and_the_loss_record(compose, tmp_path):
+    """One step, top to bottom, is read in loop/trainer.py and its optimizer step (loop/step.py), with the task's step
+    (task/task.py), parallel/precision.py, the ranks' stop agreement (loop/stop.py), the loop's position (Progress in
+    checkpoint/state.py) and the metric logger's record of the batch's size and loss: nothing else of the framework's machinery runs between two optimizer steps that
     neither log, validate nor save. The run's own components (its model, its data, its metrics) are the user's
     choice and are not counted."""
     import sys
@@ -199,7 +200,7 @@ def test_a_training_step_enters_at_most_four_framework_files_beside_the_runs_own
         if event != "call" or not frame.f_code.co_filename.startswith(framework_dir):
             return
         name = frame.f_code.co_filename[len(framework_dir):]
-        if name == "loop/trainer.py" and frame.f_code.co_name == "_optimizer_step":
+        if name == "loop/step.py" and frame.f_code.co_name == "__call__":
             steps.append(set())
         if not name.startswith(components):
             steps[-1].add(name)
@@ -213,5 +214,7 @@ def test_a_training_step_enters_at_most_four_framework_files_beside_the_runs_own
         sys.setprofile(None)
     assert len(steps) == 13, len(steps)  # before the first step, 12 steps (the last one runs on to the end)
     middle = set().union(*steps[3:11])  # whole steps, from one optimizer step into the next
-    assert middle <= {"loop/trainer.py", "task/task.py", "parallel/precision.py", "loop/stop.py"}, middle
-    assert {"loop/trainer.py", "task/task.py", "parallel/precision.py"} <= middle, middle
+    allowed = {"loop/trainer.py", "loop/step.py", "checkpoint/state.py", "observe/metric_logger.py",
+               "observe/logged.py", "task/task.py", "parallel/precision.py", "loop/stop.py"}
+    assert middle <= allowed, middle
+    assert {"loop/trainer.py", "loop/step.py", "task/task.py", "parallel/precision.py"} <= middle, middle

@@ -273,7 +273,7 @@ def test_first_batch_check_changes_nothing_training_sees(compose, tmp_path: Path
         trainer = Trainer(compose("logger.progress_bar=false", "trainer.max_steps=5", "trainer.test=false",
                                   *overrides), run_dir)
         trainer.fit()
-        return trainer.strategy.unwrap(trainer.task.model).state_dict()
+        return trainer.run.strategy.unwrap(trainer.run.task.model).state_dict()
 
     checked = train(tmp_path / "checked")
     monkeypatch.setattr(framework.loop.trainer, "check_first_batches", lambda *args: [])  # the loop's check, skipped

@@ -23,12 +23,12 @@ on the device until the next logging step: no host sync).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Union
 
 import torch
 
-if TYPE_CHECKING:  # the trainer imports this module, never the other way round
-    from framework.loop.trainer import Trainer
+if TYPE_CHECKING:
     from framework.task.task import Task
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,38 @@ STEP_HOOKS = (
     "on_before_optimizer_step",
     "on_before_zero_grad",
 )
+
+
+class Trainer(Protocol):
+    """What a callback's `trainer` is (framework/loop/view.py builds it): Lightning's names for where the run is and
+    what it holds, and the two ways to act on it."""
+
+    @property
+    def global_step(self) -> int: ...
+    @property
+    def current_epoch(self) -> int: ...
+    @property
+    def callback_metrics(self) -> dict[str, float]: ...
+    @property
+    def is_global_zero(self) -> bool: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def model(self) -> torch.nn.Module: ...
+    @property
+    def module(self) -> torch.nn.Module: ...
+
+    max_epochs: int
+    max_steps: int
+    log_every_n_steps: int
+    param_group_names: list[str]
+    run_dir: Path
+    optimizer: torch.optim.Optimizer
+    datamodule: Any
+    logger: Any
+
+    def request_stop(self, reason: str) -> None: ...
+    def log(self, name: str, value: Union[float, torch.Tensor]) -> None: ...
 
 
 class Callback:

@@ -9,10 +9,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from framework.callbacks.base import Callback
+from framework.callbacks.base import Callback, Trainer
 
-if TYPE_CHECKING:  # the trainer imports this module, never the other way round
-    from framework.loop.trainer import Trainer
+if TYPE_CHECKING:
     from framework.task.task import Task
 
 log = logging.getLogger(__name__)

@@ -7,11 +7,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from framework.callbacks.base import Callback
+from framework.callbacks.base import Callback, Trainer
 from framework.config.validate import parse_duration
 
-if TYPE_CHECKING:  # the trainer imports this module, never the other way round
-    from framework.loop.trainer import Trainer
+if TYPE_CHECKING:
     from framework.task.task import Task
 
 log = logging.getLogger(__name__)

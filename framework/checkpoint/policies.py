@@ -120,6 +120,10 @@ class CheckpointManager:
             self._link(target, self.folder / "best")
         self.writer.call(self._prune, set(self.periodic) | {name for _, name in self.top_k})
 
+    def resumed_at(self, step: int) -> None:
+        """The run resumed from a checkpoint of `step`: `last` of this step is on disk already."""
+        self.saved_step = step
+
     def save_now(self, state: Snapshot, step: int, name: str = "last") -> None:
         """Save as `name` whatever the policies say (a signal's stop: this exact position). Every rank calls it."""
         self._write(state, step, self.folder / name)

@@ -63,6 +63,25 @@ class Progress:
     def position(self) -> dict[str, int]:
         return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
 
+    # The loop's moves, in the order it makes them.
+    def batch_done(self) -> None:
+        self.batch_in_epoch += 1
+
+    def stepped(self) -> None:
+        self.step += 1
+
+    def validated(self) -> None:
+        self.last_val_step = self.step
+        self.validations += 1
+
+    def epoch_done(self) -> None:
+        self.epoch += 1
+        self.batch_in_epoch = 0
+
+    def resume_at_batch(self, batch: int) -> None:
+        """A resume mid-epoch on another number of processes: the rest of the epoch, redistributed, starts here."""
+        self.batch_in_epoch = batch
+
     def start_next_epoch(self) -> None:
         """Leave the epoch in progress, if any, for the next one's batch 0 (a resume on new data: the rest of an
         epoch planned on the old data has no meaning on the new). The step count stays."""

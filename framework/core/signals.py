@@ -120,7 +120,7 @@ class SignalWatch:
     def __init__(self, signals: Iterable[int] = STOP_ONLY) -> None:
         self.signals = list(signals)
         self.received: Optional[int] = None
-        self.after_training = False  # set once the last step is taken: a signal then has nothing left to stop
+        self.after_training = False  # once the last step is taken (training_over): a signal has nothing left to stop
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "SignalWatch":
@@ -137,6 +137,10 @@ class SignalWatch:
                 signal.Signals(held[0]).name,
             )
         return self
+
+    def training_over(self) -> None:
+        """The last step is taken: a signal from here on finishes the run, it does not stop it."""
+        self.after_training = True
 
     def previous(self, signum: int) -> Any:
         """The handler `signum` had before this watch, or before the start-up latch (what a requeue may hand

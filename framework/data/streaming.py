@@ -378,7 +378,7 @@ class StreamState:
         if k == 0:  # an epoch's end: the next one is planned for the new world size
             return
         consumed = (k - offset) * saved["batch_size"]
-        self.progress.batch_in_epoch = train.redistribute(saved["epoch"], [*chain, (saved["world_size"], consumed)])
+        self.progress.resume_at_batch(train.redistribute(saved["epoch"], [*chain, (saved["world_size"], consumed)]))
         if train.rank == 0:
             log.info(
                 "data.train: saved mid-epoch %d on %d processes, resumed on %d: the rest of the epoch, %d samples a "

@@ -33,11 +33,13 @@ from framework.task.task import Task
 
 @dataclass
 class Components:
-    """What a run is made of. The model is the task's attribute `model_attr` (wrapped for training)."""
+    """What a run is made of. The task keeps its model as `task.<model_attr>`; `model` is that model as the loop
+    runs it (wrapped by DDP or DP; compiled in place), put in the task's place while a stage runs (task.swapped)."""
 
     data: DataModule
     task: Task
     model_attr: str
+    model: torch.nn.Module
     precision: Precision
     optimizer: torch.optim.Optimizer
     frozen: Any  # the parameters no group trains (for the parameter-group table)
@@ -75,10 +77,10 @@ def build_components(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Comp
         model.compile()
     # Wrapped before the optimizer is built: FSDP replaces the parameters by their shards (DTensors), which
     # the optimizer must hold (DDP and DataParallel keep the same ones).
-    setattr(task, model_attr, strategy.wrap(model, param_dtype=precision.dtype))
+    wrapped = strategy.wrap(model, param_dtype=precision.dtype)
     if on_meta is not None and on_meta.recorder is not None:  # each rank's shards get their values only now
-        on_meta.materialise(strategy.unwrap(getattr(task, model_attr)), cfg)
-    optimizer, frozen = build_optimizer(cfg.optimizer, strategy.unwrap(getattr(task, model_attr)))
+        on_meta.materialise(model, cfg)
+    optimizer, frozen = build_optimizer(cfg.optimizer, model)
     # overfit_batches: the same first batches of epoch 0's order every epoch, validated on too (Lightning's).
     overfit = limit(t.overfit_batches, data.num_batches("train")) if t.overfit_batches else 0
     train_batches = limit(1 if fast_dev_run else (overfit or t.limit_train_batches), data.num_batches("train"))
@@ -102,6 +104,7 @@ def build_components(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Comp
         data,
         task,
         model_attr,
+        wrapped,
         precision,
         optimizer,
         frozen,

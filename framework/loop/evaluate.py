@@ -14,11 +14,15 @@ import itertools
 from typing import Any, Callable, Optional
 
 import torch
+from torch import nn
 
+from framework.data.module import DataModule
 from framework.loop.build import limit
-from framework.observe.metric_logger import EvalLog, MetricLogger
+from framework.observe.metric_logger import MetricLogger
+from framework.parallel.precision import Precision
+from framework.parallel.strategy import Strategy
 from framework.task import hooks as task_hooks
-from framework.task.task import Task, as_step_output
+from framework.task.task import Task, as_step_output, swapped
 
 
 def move_to(batch: Any, device: torch.device) -> Any:
@@ -48,17 +52,19 @@ class Evaluator:
         *,
         task: Task,
         model_attr: str,
-        data: Any,
-        strategy: Any,
-        precision: Any,
+        model: nn.Module,
+        data: DataModule,
+        strategy: Strategy,
+        precision: Precision,
         metric_logger: MetricLogger,
         step_fns: dict[str, Callable[[Any, int], Any]],
         limits: dict[str, Any],
         overfit: int,
     ) -> None:
-        """`limits`: batches per split ("val", "test"; Lightning's limit_*_batches); `overfit`: validate on the
+        """`model`: the run's model as training runs it (evaluation runs `strategy.for_eval` of it in the task's
+        place); `limits`: batches per split ("val", "test"; Lightning's limit_*_batches); `overfit`: validate on the
         first `overfit` training batches instead (trainer.overfit_batches)."""
-        self.task, self.model_attr, self.data, self.strategy = task, model_attr, data, strategy
+        self.task, self.model_attr, self.model, self.data, self.strategy = task, model_attr, model, data, strategy
         self.precision, self.metric_logger, self.step_fns = precision, metric_logger, step_fns
         self.limits, self.overfit = limits, overfit
         self.device = strategy.device
@@ -88,18 +94,20 @@ class Evaluator:
             else None
             for when in ("start", "end")
         )
-        wrapped = getattr(self.task, self.model_attr)
-        setattr(self.task, self.model_attr, self.strategy.for_eval(wrapped))
-        self.task.eval()
         sums: dict[str, torch.Tensor] = {}
         count, batch = 0, None
+        self.task.eval()
         try:
-            with self.metric_logger.evaluation(split) as logged:
+            with (
+                swapped(self.task, self.model_attr, self.strategy.for_eval(self.model)),
+                self.metric_logger.evaluation(split) as logged,
+            ):
                 task_hooks.call_if_defined(self.task, f"on_{hook}_epoch_start")
                 data = self.overfit_batches() if overfit else self.data.batches(split)
                 for i, batch in enumerate(itertools.islice(data, batches)):
                     batch = move_to(batch, self.device)
-                    n = self.metric_logger.batch_n = self.task.batch_size(batch)
+                    n = self.task.batch_size(batch)
+                    self.metric_logger.begin_batch(n)
                     if batch_start is not None:
                         batch_start(batch, i)
                     with self.precision.autocast():
@@ -118,7 +126,6 @@ class Evaluator:
                 stateful = {f"{split}/{name}": float(v) for name, v in self.task.epoch_metrics(split).items()}
         finally:
             self.task.train()
-            setattr(self.task, self.model_attr, wrapped)
         outputs, values = logged.finish(self.strategy, self.task, sums, count)
         metrics = {**outputs, **values, **stateful}
         self.metric_logger.write(metrics, step)
@@ -129,10 +136,5 @@ class Evaluator:
         of its forward only: under FSDP every rank must gather each unit's weights as often as the others.
         What it logs is dropped; metrics see no sample."""
         empty = rows(move_to(batch if batch is not None else self.data.first_batch("train"), self.device), 0)
-        logger = self.metric_logger
-        kept, logger.eval_log = logger.eval_log, EvalLog("idle", self.device)
-        try:
-            with torch.no_grad(), self.precision.autocast():
-                step_fn(empty, 0)
-        finally:
-            logger.eval_log = kept
+        with torch.no_grad(), self.precision.autocast(), self.metric_logger.discarding():
+            step_fn(empty, 0)

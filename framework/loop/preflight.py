@@ -18,9 +18,9 @@ from framework.checkpoint.state import TaskState
 from framework.core import reproducibility
 from framework.core.errors import ConfigError
 from framework.loop.evaluate import Evaluator, move_to
-from framework.observe.metric_logger import as_tensor
+from framework.observe.logged import as_tensor
 from framework.task import hooks as task_hooks
-from framework.task.task import StepOutput, Task, step_function, throwaway_copy
+from framework.task.task import StepOutput, Task, step_function, swapped, throwaway_copy
 
 log = logging.getLogger(__name__)
 
@@ -66,50 +66,65 @@ def check_first_batches(
     metric names the first val batch showed (for TensorBoard's layout). A monitor naming none of them is refused
     now when nothing else could log it (the task has no
     on_validation_epoch_end); otherwise the first validation round decides."""
+    strategy, rng = evaluator.strategy, reproducibility.rng_state()
+    plain = strategy.unwrap(evaluator.model)
+    handle = CheckHandle(strategy.is_rank_zero)
+    with swapped(task, model_attr, plain):
+        try:
+            shadow = throwaway_copy(task, plain, handle)
+        except Exception as err:  # noqa: BLE001  (a task holding a lock or a file: checked in place)
+            if strategy.is_rank_zero:
+                log.warning(
+                    "The task cannot be copied for the check of its first batches (%s: %s): it is checked in "
+                    "place; its metrics and buffers are put back after, its other attributes may keep a trace",
+                    type(err).__name__,
+                    err,
+                )
+            kept = TaskState(task, model_attr, strategy)
+            saved = kept.local(hooks=False)
+            try:
+                with swapped(task, "trainer", handle):
+                    return _check(task, task, handle, evaluator, monitors, splits)
+            finally:
+                kept.load_state_dict({"rank0": saved}, hooks=False)
+                task.train()
+                reproducibility.set_rng_state(rng)
+        try:
+            return _check(task, shadow, handle, evaluator, monitors, splits)
+        finally:
+            task.train()
+            reproducibility.set_rng_state(rng)
+
+
+def _check(
+    task: Task,
+    shadow: Task,
+    handle: CheckHandle,
+    evaluator: Evaluator,
+    monitors: dict[str, str],
+    splits: tuple[str, ...],
+) -> list[str]:
+    """The first batch of each split through `shadow` (the task's throw-away copy, or the task itself)."""
     strategy, data = evaluator.strategy, evaluator.data
-    wrapped, rng = getattr(task, model_attr), reproducibility.rng_state()
-    plain = strategy.unwrap(wrapped)
-    setattr(task, model_attr, plain)
-    handle, trainer, kept = CheckHandle(strategy.is_rank_zero), task.trainer, None
-    try:
-        shadow = throwaway_copy(task, plain, handle)
-    except Exception as err:  # noqa: BLE001  (a task holding a lock or a file: checked in place)
-        if strategy.is_rank_zero:
-            log.warning(
-                "The task cannot be copied for the check of its first batches (%s: %s): it is checked in "
-                "place; its metrics and buffers are put back after, its other attributes may keep a trace",
-                type(err).__name__,
-                err,
-            )
-        shadow, task.trainer, kept = task, handle, TaskState(task, model_attr, strategy)
-        saved = kept.local(hooks=False)
     shadow.eval()
     names: list[str] = []
-    try:
-        for split in splits:
-            batch = data.first_batch(split) if data.has(split) else None
-            handle.stage = split
-            if batch is None:
-                if data.has(split) and strategy.collective_forward:  # this rank's shard is empty
-                    method = "training_step" if split == "train" else "validation_step"
-                    evaluator.idle_step(step_function(shadow, method), None)
-                    if split == "val":
-                        shadow.epoch_metrics("val")  # synchronised over the ranks, as theirs
-                continue
-            with torch.no_grad(), evaluator.precision.autocast():
-                out = shadow.check_batch(
-                    move_to(batch, evaluator.device), split, input_shape=data.input_shape, num_classes=data.num_classes
-                )
-            if split == "val":
-                names = _val_names(out, shadow, handle.names)
-                _check_monitors(task, monitors, names)
-    finally:
-        if kept is not None:
-            kept.load_state_dict({"rank0": saved}, hooks=False)
-        setattr(task, model_attr, wrapped)
-        task.trainer = trainer
-        task.train()
-        reproducibility.set_rng_state(rng)
+    for split in splits:
+        batch = data.first_batch(split) if data.has(split) else None
+        handle.stage = split
+        if batch is None:
+            if data.has(split) and strategy.collective_forward:  # this rank's shard is empty
+                method = "training_step" if split == "train" else "validation_step"
+                evaluator.idle_step(step_function(shadow, method), None)
+                if split == "val":
+                    shadow.epoch_metrics("val")  # synchronised over the ranks, as theirs
+            continue
+        with torch.no_grad(), evaluator.precision.autocast():
+            out = shadow.check_batch(
+                move_to(batch, evaluator.device), split, input_shape=data.input_shape, num_classes=data.num_classes
+            )
+        if split == "val":
+            names = _val_names(out, shadow, handle.names)
+            _check_monitors(task, monitors, names)
     return names
 
 

@@ -1,19 +1,19 @@
-"""A run, built: its parts from config (`build`), wired (the metric logger, the task's handle, the evaluator, the
-stop, the state registry), a checkpoint restored into it (`restore`), and what callbacks see of it, by
-Lightning's names. The loop that runs it is the Trainer (trainer.py)."""
+"""A run, built: its components from config (`build`), wired (the metric logger, the view the task and callbacks
+see, the evaluator, the stop, the state registry). `Run` is plain data: the Trainer (fit) runs it, the evaluation
+stages and lr_find use its parts. Also here: what a checkpoint restores into it, its monitors, its setup report."""
 
 from __future__ import annotations
 
-import functools
 import logging
-import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 import framework
+from framework.callbacks.base import CallbackList
 from framework.checkpoint import Checkpoint, CheckpointManager, open_checkpoint
 from framework.checkpoint.restore import callbacks_check, optimizer_check, precision_check, restore
 from framework.checkpoint.state import Progress, RngState, TaskState, TrainingState
@@ -22,319 +22,349 @@ from framework.core import reproducibility
 from framework.core.errors import ConfigError
 from framework.data.module import DataCheck, DataModule, check_data
 from framework.data.streaming import StreamState
-from framework.loop.build import build_components
+from framework.loop.build import Components, build_components
 from framework.loop.evaluate import Evaluator, move_to
 from framework.loop.stop import Stop
-from framework.observe.compile_report import compile_report
-from framework.observe.metric_logger import MetricLogger, TaskHandle, TrainLog
+from framework.loop.view import RunView
+from framework.observe.logged import TrainLog
+from framework.observe.metric_logger import MetricLogger
 from framework.observe.model_summary import summarize
 from framework.observe.progress import ProgressBar
 from framework.observe.setup_report import describe_setup
 from framework.observe.tensorboard import TensorBoardLogger
+from framework.observe.trackers import Trackers
 from framework.optim.groups import group_names
 from framework.parallel.memory import PeakMemory, model_devices
-from framework.parallel.strategy import build_strategy
+from framework.parallel.precision import Precision
+from framework.parallel.strategy import Strategy, build_strategy
 from framework.task import hooks as task_hooks
-from framework.task.task import step_function
+from framework.task.task import Task, step_function
 
-log = logging.getLogger("framework.loop.trainer")  # the name run.log and the tests know its lines by
+log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Limits:
+    """The loop's lengths and cadences, read from the config once: the loop reads no config per step."""
+
+    max_steps: int
+    max_epochs: int
+    fast_dev_run: bool
+    accumulate: int
+    log_every_n_steps: int
+    val_every_n_steps: int  # 0: validation by epoch only (or no val split)
+    val_every_n_epochs: int
+    grad_clip_norm: Optional[float]
+    grad_clip_value: Optional[float]
+    on_signal: bool  # a watched signal saves `last` and stops the run
+
+
+@dataclass
 class Run:
-    """A run's parts, built and wired, and what callbacks see of it, by Lightning's names (global_step,
-    current_epoch, callback_metrics, is_global_zero, should_stop, request_stop, log). The Trainer runs it."""
+    """A run's parts, built and wired. `model` is the task's model as the loop runs it (wrapped by DDP/DP, compiled in
+    place by trainer.compile); the task holds its own as `task.<model_attr>` (see Components)."""
 
-    def __init__(
-        self,
-        cfg: DictConfig,
-        run_dir: Path,
-        resume_from: Optional[Checkpoint] = None,
-        hparams: Optional[dict[str, Any]] = None,
-        choices: Optional[dict[str, Any]] = None,
-    ) -> None:
-        self.cfg, self.hparams, t = cfg, hparams or {}, cfg.trainer
-        self.fast_dev_run = t.fast_dev_run
-        self.max_steps = 1 if self.fast_dev_run else t.max_steps
-        self.max_epochs = 1 if self.fast_dev_run else t.max_epochs
-        self.accumulate, self.log_every_n_steps = t.accumulate_grad_batches, t.log_every_n_steps
-        reproducibility.set_deterministic(t.deterministic)
-        reproducibility.seed_everything(cfg.seed)
-        self.strategy = build_strategy(cfg.parallel, t.device)
-        self.device = self.strategy.device
-        self.peak_memory = PeakMemory(model_devices(self.device, data_parallel=self.strategy.name == "dp"))
-        self.run_dir, self.resume_from = self._agree_on_run(run_dir, resume_from)
-        parts = self.parts = build_components(cfg, self.strategy, self.run_dir)
-        self.data, self.task, self.model_attr, self.precision = (
-            parts.data,
-            parts.task,
-            parts.model_attr,
-            parts.precision,
-        )
-        self.optimizer, self.scheduler, self.checkpoints = parts.optimizer, parts.scheduler, parts.checkpoints
-        self.callbacks, self.train_batches, self.steps_per_epoch = (
-            parts.callbacks,
-            parts.train_batches,
-            parts.steps_per_epoch,
-        )
-        self.param_group_names = group_names(self.optimizer)
-        self.params = [p for p in self.task.parameters() if p.requires_grad]
-        self.on_signal = cfg.checkpoint.on_signal and not self.fast_dev_run
-        self.progress, self.stop = Progress(), Stop(self.strategy, t.min_epochs, t.min_steps)
-        self._wire_logging()
-        step_fns = {m: step_function(self.task, m) for m in ("training_step", "validation_step", "test_step")}
-        self.training_step = step_fns["training_step"]
-        self.evaluator = self._build_evaluator(step_fns)
-        self._check_monitors_exist()
-        self.tested = ""  # which weights fit's test used: best (step N) or last
-        self._val_checked = False  # the monitors were checked against a validation round's metrics
-        self._saved_task_state: Any = None  # a resume's task state, loaded once the task's start hooks ran
-        self._started_at, self._epoch_rate = (time.perf_counter(), 0), 0.0  # for the ETA; samples/s of the last epoch
-        self._val_names: list[str] = []  # the validation metrics, as the first val batch showed them
-        self._clip_norm, self._clip_value = t.grad_clip_norm, t.grad_clip_value  # no config access per step
-        self._val_every = t.val_every_n_steps if self.data.has("val") else 0
-        # Ranks agree on stopping after every step when anything may ask (every rank must take part, or none).
-        self._agree_on_stops = (
-            self.on_signal
-            or bool(self.callbacks.callbacks)
-            or self.strategy.world_size == 1
-            or task_hooks.task_callback(self.task) is not None
-        )
-        before_step = self.callbacks.bound("on_before_optimizer_step")  # (a partial: a step never enters run.py)
-        self._before_step = functools.partial(before_step, self, self.task, self.optimizer) if before_step else None
-        self._before_zero_grad = self.callbacks.bound("on_before_zero_grad")
-        self.state = self._register_state(choices)
-        self.callbacks.call("setup", self, self.task)
+    cfg: DictConfig
+    run_dir: Path
+    resume_from: Optional[Checkpoint]
+    hparams: dict[str, Any]
+    limits: Limits
+    strategy: Strategy
+    # the components (framework/loop/build.py)
+    data: DataModule
+    task: Task
+    model_attr: str
+    model: torch.nn.Module
+    precision: Precision
+    optimizer: torch.optim.Optimizer
+    frozen: Any
+    scheduler: Any
+    train_batches: int
+    steps_per_epoch: int
+    overfit: int
+    checkpoints: CheckpointManager
+    callbacks: CallbackList
+    # the wiring
+    param_group_names: list[str]
+    params: list[torch.nn.Parameter]  # what is trained: clipped, stepped
+    progress: Progress
+    stop: Stop
+    tensorboard: TensorBoardLogger
+    bar: ProgressBar
+    metric_logger: MetricLogger
+    view: RunView
+    evaluator: Evaluator
+    training_step: Callable[[Any, int], Any]
+    state: TrainingState
+    task_state: TaskState
+    data_check: DataCheck
+    peak_memory: PeakMemory
 
-    def _wire_logging(self) -> None:
-        """TensorBoard, the bar and the metric logger behind them; the task's handle (`task.trainer`) onto them."""
-        cfg, t, rank_zero = self.cfg, self.cfg.trainer, self.strategy.is_rank_zero
-        # On resume, TensorBoard drops whatever the killed run logged after its checkpoint's step.
-        purge = self.resume_from.step + 1 if self.resume_from is not None else None
-        self.logger = TensorBoardLogger(
-            self.run_dir,
-            enabled=rank_zero and cfg.logger.tensorboard and not self.fast_dev_run and not t.dry_run,
-            purge_step=purge,
-        )
-        self.bar = ProgressBar(enabled=rank_zero and cfg.logger.progress_bar, every_s=cfg.logger.progress_every_s)
-        self.metric_logger = MetricLogger(
-            device=self.device,
-            tensorboard=self.logger,
-            bar=self.bar,
-            run_dir=self.run_dir,
-            accumulate=self.accumulate,
-            steps_per_epoch=self.steps_per_epoch,
-        )
-        self.metric_logger.attach(self.task)
-        self.task.trainer = TaskHandle(
-            self.metric_logger,
-            self.progress,
-            self.stop,
-            is_global_zero=rank_zero,
-            world_size=self.strategy.world_size,
-            max_epochs=self.max_epochs,
-            max_steps=self.max_steps,
-        )
-
-    def _build_evaluator(self, step_fns: dict[str, Any]) -> Evaluator:
-        t = self.cfg.trainer
-        return Evaluator(
-            task=self.task,
-            model_attr=self.model_attr,
-            data=self.data,
-            strategy=self.strategy,
-            precision=self.precision,
-            metric_logger=self.metric_logger,
-            step_fns=step_fns,
-            limits={
-                "val": 1 if self.fast_dev_run else t.limit_val_batches,
-                "test": 1 if self.fast_dev_run else t.limit_test_batches,
-            },
-            overfit=self.parts.overfit,
-        )
-
-    def _agree_on_run(self, run_dir: Path, resume_from: Optional[Checkpoint]) -> tuple[Path, Optional[Checkpoint]]:
-        """Under torchrun only rank 0 made a run directory (see app.py); every rank uses that one, and resumes from
-        the checkpoint rank 0 picked (each rank looked on its own: a save or prune a killed rank 0 left half done
-        can make them disagree)."""
-        agreed = Path(self.strategy.broadcast_object(str(run_dir)))
-        chosen = self.strategy.broadcast_object(str(resume_from.path) if resume_from is not None else None)
-        if chosen is None:
-            return agreed, None
-        if resume_from is None or str(resume_from.path) != chosen:
-            resume_from = open_checkpoint(Path(chosen))
-        return agreed, resume_from
-
-    def _register_state(self, choices: Optional[dict[str, Any]]) -> TrainingState:
-        """Every piece of resumable state, once. The checkpoint's meta.json also holds the config, its
-        interpolations and the groups' options (which resume rebuilds the run from), the data's identity (which a
-        resume compares) and the number of processes."""
-        self.data_check = _check_data(self.cfg, self.data, self.resume_from)  # before anything trains
-        state = TrainingState(
-            lambda: self.module,
-            self.progress,
-            self.metric_logger.metrics,
-            info={
-                "framework_version": framework.__version__,  # which version wrote it
-                "world_size": self.strategy.world_size,
-                "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
-                "interpolations": interpolations(self.cfg),  # what a resume re-derives (framework/app/resume.py)
-                "data_identity": self.data_check.record,
-                "choices": {g: o for g, o in (choices or {}).items() if not g.startswith("hydra")},
-            },
-        )
-        state.register("optimizer", self.optimizer, check=optimizer_check(self.optimizer))
-        if self.scheduler is not None:
-            state.register("scheduler", self.scheduler)
-        state.register("precision", self.precision, check=precision_check(self.precision))
-        state.register("checkpoints", self.checkpoints, check=CheckpointManager.check_state_dict)
-        state.register("train_loss", self.metric_logger.window, optional=True, check=TrainLog.check_state_dict)
-        self.task_state = TaskState(self.task, self.model_attr, self.strategy)
-        state.register("task", self.task_state, optional=True, check=self.task_state.check_state_dict)
-        state.register("callbacks", self.callbacks, check=callbacks_check(self.callbacks), optional=True)
-        if self.data.streams:  # their position is the loop's; this holds what it needs (framework/data/streaming.py)
-            streams = StreamState(self.data.streams, self.progress, new_data=self.data_check.changed)
-            state.register("data", streams, check=streams.check_state_dict, optional=True)
-        rng = RngState(self.strategy)
-        state.register("rng", rng, check=rng.check_state_dict)  # last: loading it must follow all the rest
-        return state
-
-    # ------------------------------------------------------------------ what callbacks see (Lightning's names)
     @property
-    def model(self) -> torch.nn.Module:
-        """The task's model as the loop runs it (wrapped by DDP/DP; trainer.compile compiles it in place), held in
-        `task.<model_attr>`."""
-        return getattr(self.task, self.model_attr)
+    def device(self) -> torch.device:
+        return self.strategy.device
 
     @property
     def module(self) -> torch.nn.Module:
         """The model itself, unwrapped from DDP/DP: what is saved, exported and averaged."""
         return self.strategy.unwrap(self.model)
 
-    @property
-    def global_step(self) -> int:
-        return self.progress.step
 
-    @property
-    def current_epoch(self) -> int:
-        return self.progress.epoch
+def limits_of(cfg: DictConfig, has_val: bool) -> Limits:
+    t = cfg.trainer
+    return Limits(
+        max_steps=1 if t.fast_dev_run else t.max_steps,
+        max_epochs=1 if t.fast_dev_run else t.max_epochs,
+        fast_dev_run=t.fast_dev_run,
+        accumulate=t.accumulate_grad_batches,
+        log_every_n_steps=t.log_every_n_steps,
+        val_every_n_steps=t.val_every_n_steps if has_val else 0,
+        val_every_n_epochs=t.val_every_n_epochs,
+        grad_clip_norm=t.grad_clip_norm,
+        grad_clip_value=t.grad_clip_value,
+        on_signal=cfg.checkpoint.on_signal and not t.fast_dev_run,
+    )
 
-    @property
-    def callback_metrics(self) -> dict[str, float]:
-        return self.metric_logger.metrics
 
-    @property
-    def metrics(self) -> dict[str, float]:
-        return self.metric_logger.metrics
+def assemble(
+    cfg: DictConfig,
+    run_dir: Path,
+    resume_from: Optional[Checkpoint] = None,
+    hparams: Optional[dict[str, Any]] = None,
+    choices: Optional[dict[str, Any]] = None,
+) -> Run:
+    """Seed, build the strategy and the components, wire them, register the resumable state; then the callbacks'
+    `setup`. Every rank calls it."""
+    t = cfg.trainer
+    reproducibility.set_deterministic(t.deterministic)
+    reproducibility.seed_everything(cfg.seed)
+    strategy = build_strategy(cfg.parallel, t.device)
+    run_dir, resume_from = _agree_on_run(strategy, run_dir, resume_from)
+    parts = build_components(cfg, strategy, run_dir)
+    check_monitors_exist(parts)
+    limits = limits_of(cfg, parts.data.has("val"))
+    progress, stop = Progress(), Stop(strategy, t.min_epochs, t.min_steps)
+    tensorboard, bar, metric_logger = _reporting(cfg, strategy, parts, limits, run_dir, resume_from)
+    names = group_names(parts.optimizer)
+    view = RunView(parts, names, metric_logger, progress, stop, strategy, limits, run_dir)
+    parts.task.trainer = view  # Lightning's `self.trainer` (a view of the run, not the loop)
+    step_fns = {m: step_function(parts.task, m) for m in ("training_step", "validation_step", "test_step")}
+    data_check = _check_data(cfg, parts.data, resume_from)  # before anything trains
+    run = Run(
+        cfg=cfg,
+        run_dir=run_dir,
+        resume_from=resume_from,
+        hparams=hparams or {},
+        limits=limits,
+        strategy=strategy,
+        **vars(parts),
+        param_group_names=names,
+        params=[p for p in parts.task.parameters() if p.requires_grad],
+        progress=progress,
+        stop=stop,
+        tensorboard=tensorboard,
+        bar=bar,
+        metric_logger=metric_logger,
+        view=view,
+        evaluator=_evaluator(cfg, strategy, parts, limits, metric_logger, step_fns),
+        training_step=step_fns["training_step"],
+        state=TrainingState(
+            lambda: strategy.unwrap(parts.model),
+            progress,
+            metric_logger.metrics,
+            info=_saved_with_state(cfg, strategy, data_check, choices),
+        ),
+        task_state=TaskState(parts.task, parts.model_attr, strategy),
+        data_check=data_check,
+        peak_memory=PeakMemory(model_devices(strategy.device, data_parallel=strategy.name == "dp")),
+    )
+    _register_state(run)
+    parts.callbacks.call("setup", view, parts.task)
+    return run
 
-    @property
-    def is_global_zero(self) -> bool:
-        return self.strategy.is_rank_zero
 
-    @property
-    def should_stop(self) -> bool:
-        return bool(self.stop.reason)
+def _reporting(
+    cfg: DictConfig,
+    strategy: Strategy,
+    parts: Components,
+    limits: Limits,
+    run_dir: Path,
+    resume_from: Optional[Checkpoint],
+) -> tuple[TensorBoardLogger, ProgressBar, MetricLogger]:
+    """TensorBoard, the bar and the metric logger in front of them (rank 0's write; the others' are off)."""
+    rank_zero, t = strategy.is_rank_zero, cfg.trainer
+    # On resume, TensorBoard drops whatever the killed run logged after its checkpoint's step.
+    tensorboard = TensorBoardLogger(
+        run_dir,
+        enabled=rank_zero and cfg.logger.tensorboard and not limits.fast_dev_run and not t.dry_run,
+        purge_step=resume_from.step + 1 if resume_from is not None else None,
+    )
+    bar = ProgressBar(enabled=rank_zero and cfg.logger.progress_bar, every_s=cfg.logger.progress_every_s)
+    metric_logger = MetricLogger(
+        device=strategy.device,
+        tensorboard=tensorboard,
+        bar=bar,
+        run_dir=run_dir,
+        accumulate=limits.accumulate,
+        steps_per_epoch=parts.steps_per_epoch,
+    )
+    metric_logger.attach(parts.task)
+    return tensorboard, bar, metric_logger
 
-    @should_stop.setter
-    def should_stop(self, value: bool) -> None:
-        """Lightning's `trainer.should_stop = True` from a callback: request_stop without a reason of its own."""
-        if value:
-            self.stop.request("a callback set trainer.should_stop")
 
-    @property
-    def stop_reason(self) -> str:
-        return self.stop.reason
+def _evaluator(
+    cfg: DictConfig,
+    strategy: Strategy,
+    parts: Components,
+    limits: Limits,
+    metric_logger: MetricLogger,
+    step_fns: dict[str, Callable[[Any, int], Any]],
+) -> Evaluator:
+    t = cfg.trainer
+    return Evaluator(
+        task=parts.task,
+        model_attr=parts.model_attr,
+        model=parts.model,
+        data=parts.data,
+        strategy=strategy,
+        precision=parts.precision,
+        metric_logger=metric_logger,
+        step_fns=step_fns,
+        limits={
+            "val": 1 if limits.fast_dev_run else t.limit_val_batches,
+            "test": 1 if limits.fast_dev_run else t.limit_test_batches,
+        },
+        overfit=parts.overfit,
+    )
 
-    def request_stop(self, reason: str) -> None:
-        """Stop at the next optimizer-step boundary (every rank at the same one, once trainer.min_epochs and
-        min_steps are reached); `reason` goes to the console and summary.json. The first reason given wins."""
-        self.stop.request(reason)
 
-    def log(self, name: str, value: Union[float, torch.Tensor]) -> None:
-        """A scalar for TensorBoard at the next logging step (a tensor is read then, with the loss: no sync)."""
-        self.metric_logger.log(name, value)
+def _agree_on_run(
+    strategy: Strategy, run_dir: Path, resume_from: Optional[Checkpoint]
+) -> tuple[Path, Optional[Checkpoint]]:
+    """Under torchrun only rank 0 made a run directory (see framework/app/main.py); every rank uses that one, and
+    resumes from the checkpoint rank 0 picked (each rank looked on its own: a save or prune a killed rank 0 left
+    half done can make them disagree)."""
+    agreed = Path(strategy.broadcast_object(str(run_dir)))
+    chosen = strategy.broadcast_object(str(resume_from.path) if resume_from is not None else None)
+    if chosen is None:
+        return agreed, None
+    if resume_from is None or str(resume_from.path) != chosen:
+        resume_from = open_checkpoint(Path(chosen))
+    return agreed, resume_from
 
-    def _monitors(self) -> dict[str, str]:
-        """Every metric a component watches, by the config key that names it."""
-        found = {
-            "checkpoint.monitor": self.checkpoints.monitor if self.checkpoints.save_top_k else None,
-            "scheduler.monitor": getattr(self.scheduler, "monitor", None),
-            **{f"callbacks.{name}.monitor": getattr(cb, "monitor", None) for name, cb in self.callbacks},
-        }
-        return {key: monitor for key, monitor in found.items() if isinstance(monitor, str)}
 
-    def _check_monitors_exist(self) -> None:
-        """A monitor with no validation split to compute it is an error at start, not after the first epoch."""
-        if self.data.has("val"):
-            return
-        for key, monitor in self._monitors().items():  # (checkpoint's: config.validate already refused it)
-            remedy = "scheduler.monitor=null" if key == "scheduler.monitor" else f"{key.rsplit('.', 1)[0]}=null"
-            raise ConfigError(
-                f"{key}={monitor!r}: this run has no validation split (data.val is null), so the "
-                f"metric never exists; expected a data.val split, or {remedy}"
-            )
+def _saved_with_state(
+    cfg: DictConfig, strategy: Strategy, data_check: DataCheck, choices: Optional[dict[str, Any]]
+) -> dict[str, Any]:
+    """What a checkpoint's meta.json holds beside the state: the config, its interpolations and the groups' options
+    (which a resume rebuilds the run from), the data's identity (which a resume compares), the number of processes
+    and the version that wrote it."""
+    return {
+        "framework_version": framework.__version__,
+        "world_size": strategy.world_size,
+        "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+        "interpolations": interpolations(cfg),  # what a resume re-derives (framework/config/saved.py)
+        "data_identity": data_check.record,
+        "choices": {g: o for g, o in (choices or {}).items() if not g.startswith("hydra")},
+    }
 
-    def _restore(self, checkpoint: Checkpoint) -> None:
-        self._saved_task_state = restore(
-            checkpoint,
-            self.cfg,
-            self.state,
-            module=self.module,
-            strategy=self.strategy,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
+
+def _register_state(run: Run) -> None:
+    """Every piece of resumable state, once."""
+    state = run.state
+    state.register("optimizer", run.optimizer, check=optimizer_check(run.optimizer))
+    if run.scheduler is not None:
+        state.register("scheduler", run.scheduler)
+    state.register("precision", run.precision, check=precision_check(run.precision))
+    state.register("checkpoints", run.checkpoints, check=CheckpointManager.check_state_dict)
+    state.register("train_loss", run.metric_logger.window, optional=True, check=TrainLog.check_state_dict)
+    state.register("task", run.task_state, optional=True, check=run.task_state.check_state_dict)
+    state.register("callbacks", run.callbacks, check=callbacks_check(run.callbacks), optional=True)
+    if run.data.streams:  # their position is the loop's; this holds what it needs (framework/data/streaming.py)
+        streams = StreamState(run.data.streams, run.progress, new_data=run.data_check.changed)
+        state.register("data", streams, check=streams.check_state_dict, optional=True)
+    rng = RngState(run.strategy)
+    state.register("rng", rng, check=rng.check_state_dict)  # last: loading it must follow all the rest
+
+
+def monitors(parts: Any) -> dict[str, str]:
+    """Every metric a component watches, by the config key that names it (`parts`: a Run or its Components)."""
+    found = {
+        "checkpoint.monitor": parts.checkpoints.monitor if parts.checkpoints.save_top_k else None,
+        "scheduler.monitor": getattr(parts.scheduler, "monitor", None),
+        **{f"callbacks.{name}.monitor": getattr(cb, "monitor", None) for name, cb in parts.callbacks},
+    }
+    return {key: monitor for key, monitor in found.items() if isinstance(monitor, str)}
+
+
+def check_monitors_exist(parts: Components) -> None:
+    """A monitor with no validation split to compute it is an error at start, not after the first epoch."""
+    if parts.data.has("val"):
+        return
+    for key, monitor in monitors(parts).items():  # (checkpoint's: config validation already refused it)
+        remedy = "scheduler.monitor=null" if key == "scheduler.monitor" else f"{key.rsplit('.', 1)[0]}=null"
+        raise ConfigError(
+            f"{key}={monitor!r}: this run has no validation split (data.val is null), so the "
+            f"metric never exists; expected a data.val split, or {remedy}"
         )
-        _start_on_new_data(self.data_check, self.progress, self.strategy.is_rank_zero)
-        self.checkpoints.saved_step = self.progress.step
-        if self.strategy.is_rank_zero:
-            p = self.progress
-            resumed = f"Resumed from {checkpoint.path} at step {p.step} (epoch {p.epoch}, batch {p.batch_in_epoch})"
-            log.info("%s", resumed)
-            self.logger.log_text("history", resumed, p.step)
 
-    def _describe_setup(self) -> None:
-        """The summary's forward runs on every rank (a sharded model's forward gathers weights from all of them)."""
-        summary = None
-        if self.cfg.trainer.dry_run:
-            batch = move_to(next(iter(self.data.batches("train"))), self.device)
-            summary = summarize(self.module, lambda: self.task.validation_step(batch))
-        if self.strategy.is_rank_zero:
-            describe_setup(
-                self.cfg,
-                self.parts,
-                world_size=self.strategy.world_size,
-                run_dir=self.run_dir,
-                tensorboard=self.logger,
-                fresh=self.progress.step == 0,
-                charts=[*self._monitors().values(), *self._val_names],
-                hparams=self.hparams,
-                model_summary=summary,
-            )
 
-    # ------------------------------------------------------------------ results
-    def _summary(self, seconds: float) -> dict[str, Any]:
-        summary: dict[str, Any] = dict(self.metrics)
-        best = self.checkpoints.best_path()
-        p = self.progress
-        summary.update(
-            status="ok",
-            step=p.step,
-            epoch=p.epoch,
-            batch_in_epoch=p.batch_in_epoch,
-            epoch_batches=self.train_batches,
-            seconds=round(seconds, 3),
-            world_size=self.strategy.world_size,
-            precision=self.precision.name,
-            best_checkpoint=str(best) if best is not None else None,
-            stopped=self.stop.reason or None,
-            tested=self.tested or None,
-        )
-        if self.cfg.trainer.compile:  # how often torch.compile compiled during this fit (recompilations logged)
-            summary["compile"] = compile_report(time.time() - seconds, self.strategy.is_rank_zero)
-        if self.data.skip_corrupt:  # a collective: every rank makes the summary
-            indexed, read = self.data.skipped()
-            every = self.strategy.gather_objects(read)  # a sample is read by another rank in another epoch
-            summary["data_skipped"] = indexed + sum(len(set().union(*(r[split] for r in every))) for split in read)
-        return summary
+def restore_into(run: Run, checkpoint: Checkpoint) -> Any:
+    """The checkpoint's state into the run's parts (every part checked first); returns the task's saved state, which
+    is loaded once the task's start hooks have run."""
+    saved_task_state = restore(
+        checkpoint,
+        run.cfg,
+        run.state,
+        module=run.module,
+        strategy=run.strategy,
+        optimizer=run.optimizer,
+        scheduler=run.scheduler,
+    )
+    _start_on_new_data(run.data_check, run.progress, run.strategy.is_rank_zero)
+    run.checkpoints.resumed_at(run.progress.step)
+    if run.strategy.is_rank_zero:
+        p = run.progress
+        resumed = f"Resumed from {checkpoint.path} at step {p.step} (epoch {p.epoch}, batch {p.batch_in_epoch})"
+        log.info("%s", resumed)
+        run.tensorboard.log_text("history", resumed, p.step)
+    return saved_task_state
+
+
+def report_setup(run: Run, charts: list[str]) -> None:
+    """What a user checks before trusting the run (framework/observe/setup_report.py), then the trackers opened: a run
+    that keeps something is tracked from here on. The model summary's forward runs on every rank (a sharded
+    model's forward gathers weights from all of them)."""
+    summary = None
+    if run.cfg.trainer.dry_run:
+        batch = move_to(next(iter(run.data.batches("train"))), run.device)
+        summary = summarize(run.module, lambda: run.task.validation_step(batch))
+    if not run.strategy.is_rank_zero:
+        return
+    describe_setup(
+        run.cfg,
+        run,
+        world_size=run.strategy.world_size,
+        run_dir=run.run_dir,
+        tensorboard=run.tensorboard,
+        fresh=run.progress.step == 0,
+        charts=charts,
+        hparams=run.hparams,
+        model_summary=summary,
+    )
+    if not run.cfg.trainer.dry_run and not run.limits.fast_dev_run:  # runs that keep nothing are tracked nowhere
+        resume_step = run.resume_from.step if run.resume_from is not None else None
+        run.metric_logger.start_trackers(Trackers.open(run.cfg, run.run_dir, resume_step))
+
+
+def agree_on_stops(run: Run) -> bool:
+    """Ranks agree on stopping after every step when anything may ask (every rank must take part, or none)."""
+    return (
+        run.limits.on_signal
+        or bool(run.callbacks.callbacks)
+        or run.strategy.world_size == 1
+        or task_hooks.task_callback(run.task) is not None
+    )
 
 
 def _check_data(cfg: DictConfig, data: DataModule, checkpoint: Optional[Checkpoint]) -> DataCheck:

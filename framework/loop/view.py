@@ -2,15 +2,14 @@
 and what it holds (`global_step`, `current_epoch`, `callback_metrics`, `is_global_zero`, `logger`, `model`, ...),
 `log` and `request_stop` to act on it, and `log_from_task` behind `Task.log`.
 
-It holds the parts it answers from, never the Trainer, and the task only weakly: the task keeps it as
-`self.trainer`, so nothing of the run refers back to the task, and a finished run is freed without a collection.
+It holds the parts it answers from, never the Trainer nor the task: the task keeps it as `self.trainer`, so nothing of
+the run refers back to the task, and a finished run is freed without a collection.
 """
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Union
 
 import torch
 from torch import nn
@@ -19,7 +18,6 @@ from framework.checkpoint.state import Progress
 from framework.data.module import DataModule
 from framework.loop.stop import Stop
 from framework.observe.metric_logger import MetricLogger
-from framework.observe.tensorboard import TensorBoardLogger
 from framework.parallel.strategy import Strategy
 
 
@@ -30,28 +28,22 @@ class RunView:
 
     def __init__(
         self,
-        *,
+        parts: Any,
+        param_group_names: list[str],
         metric_logger: MetricLogger,
         progress: Progress,
         stop: Stop,
         strategy: Strategy,
-        task: nn.Module,
-        model_attr: str,
-        data: DataModule,
-        optimizer: torch.optim.Optimizer,
-        param_group_names: list[str],
-        tensorboard: TensorBoardLogger,
+        limits: Any,
         run_dir: Path,
-        max_epochs: int,
-        max_steps: int,
-        log_every_n_steps: int,
     ) -> None:
+        """`parts`: the run's components (framework/loop/build.py): its model, data and optimizer are named here;
+        `limits`: its lengths (framework/loop/run.py)."""
         self._metrics, self._progress, self._stop, self._strategy = metric_logger, progress, stop, strategy
-        self._task: Callable[[], Optional[nn.Module]] = weakref.ref(task)
-        self._model_attr = model_attr
-        self.datamodule, self.optimizer, self.param_group_names = data, optimizer, param_group_names
-        self.logger, self.run_dir = tensorboard, run_dir
-        self.max_epochs, self.max_steps, self.log_every_n_steps = max_epochs, max_steps, log_every_n_steps
+        self.model, self.datamodule, self.optimizer = parts.model, parts.data, parts.optimizer
+        self.param_group_names, self.logger, self.run_dir = param_group_names, metric_logger.tensorboard, run_dir
+        self.max_epochs, self.max_steps = limits.max_epochs, limits.max_steps
+        self.log_every_n_steps = limits.log_every_n_steps
         self.log_from_task = metric_logger.task_log  # Task.log
 
     # ------------------------------------------------------------------ where the run is
@@ -75,6 +67,10 @@ class RunView:
     def world_size(self) -> int:
         return self._strategy.world_size
 
+    @property
+    def global_rank(self) -> int:
+        return self._strategy.rank
+
     # ------------------------------------------------------------------ what it holds
     @property
     def data(self) -> DataModule:
@@ -85,12 +81,6 @@ class RunView:
     def loggers(self) -> list[Any]:
         """Lightning's list of loggers: TensorBoard's (its SummaryWriter is `.experiment`)."""
         return [self.logger]
-
-    @property
-    def model(self) -> nn.Module:
-        task = self._task()
-        assert task is not None, "the run's task is gone"
-        return getattr(task, self._model_attr)
 
     @property
     def module(self) -> nn.Module:

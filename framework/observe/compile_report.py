@@ -10,7 +10,7 @@ from typing import Any
 
 from framework.core import compat
 
-log = logging.getLogger("framework.loop.trainer")  # the name run.log and the tests know its lines by
+log = logging.getLogger(__name__)
 
 
 def compile_report(since: float, rank_zero: bool) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """What a user checks before trusting a run, written once it is built: the global batch, the parameter groups
 (`param_groups.json`), the LR plan, the config and TensorBoard's layout and HParams session (a fresh run only), and
-in a dry run the model summary; then the trackers the config chooses are opened (framework/observe/trackers.py), once
-the LR plan, a TensorBoard chart, is written. Printed and written by rank 0 only."""
+in a dry run the model summary. Printed and written by rank 0 only; the run opens its trackers once this is written
+(framework/loop/run.py, report_setup), so the LR plan, a TensorBoard chart, is not sent to them."""
 
 from __future__ import annotations
 
@@ -14,11 +14,10 @@ from omegaconf import DictConfig, OmegaConf
 from framework.core.files import write_json
 from framework.observe.layout import layout
 from framework.observe.progress import file_only
-from framework.observe.trackers import Trackers
 from framework.optim.groups import describe_groups, format_groups
 from framework.optim.schedulers import lr_plan
 
-log = logging.getLogger("framework.loop.trainer")  # the name run.log and the tests know these lines by
+log = logging.getLogger(__name__)
 
 # Metrics shown in TensorBoard's HParams tab for every run (read from these scalar tags).
 HPARAM_METRICS = ["val/acc", "val/loss", "best/val/acc", "best/val/loss", "test/acc", "test/loss"]
@@ -60,9 +59,6 @@ def describe_setup(
         tensorboard.log_custom_scalars(layout(charts))
         if hparams:
             tensorboard.log_hparams(hparams, HPARAM_METRICS)
-    if not dry_run and not cfg.trainer.fast_dev_run:  # runs that keep nothing are tracked nowhere
-        resume_step = tensorboard.purge_step - 1 if tensorboard.purge_step is not None else None
-        tensorboard.trackers = Trackers.open(cfg, run_dir, resume_step)
     if model_summary is not None:
         log.info("Model:\n%s", model_summary)
         for name, points in plan.items():

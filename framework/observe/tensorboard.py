@@ -71,5 +71,3 @@ class TensorBoardLogger:
         if self._writer is not None:
             self._writer.close()
         self._writer, self.enabled = None, False
-
-

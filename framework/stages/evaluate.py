@@ -22,12 +22,13 @@ from omegaconf import DictConfig, open_dict
 from framework.checkpoint import Checkpoint, DamagedCheckpoint, check_compatible, find_latest, open_checkpoint
 from framework.core.errors import ConfigError
 from framework.core.files import write_json
+from framework.loop.hooks import Hooks
 from framework.loop.preflight import check_first_batches
-from framework.loop.run import Run
+from framework.loop.run import Run, assemble
 from framework.observe.summary import print_summary
 from framework.task import hooks as task_hooks
 
-log = logging.getLogger("framework.loop.trainer")  # run.log's lines of a run, whatever its stage
+log = logging.getLogger(__name__)
 SPLITS = {"validate": "val", "test": "test"}  # the split each evaluating stage reads
 
 
@@ -68,7 +69,7 @@ def evaluate(
     prints the closing lines. Returns the summary."""
     start, stage = time.perf_counter(), str(cfg.stage)
     split = SPLITS[stage]
-    run = Run(cfg, run_dir, choices=choices)
+    run = assemble(cfg, run_dir, choices=choices)
     finished = False
     try:
         if not run.data.has(split):
@@ -78,13 +79,13 @@ def evaluate(
             )
         which = load_weights(run, checkpoint)
         check_first_batches(run.task, run.model_attr, run.evaluator, {}, (split,))  # data that does not fit: one line
-        run.callbacks.call(f"on_{'validation' if split == 'val' else 'test'}_start", run, run.task)
+        hooks = Hooks(run.callbacks, run.view, run.task, run.metric_logger)
+        hooks.call(f"on_{'validation' if split == 'val' else 'test'}_start")
         metrics = run.evaluator.run(split, checkpoint.step)
-        with run.metric_logger.no_logging(f"on_{'validation' if split == 'val' else 'test'}_end"):
-            run.callbacks.call(f"on_{'validation' if split == 'val' else 'test'}_end", run, run.task, metrics)
+        hooks.quiet(f"on_{'validation' if split == 'val' else 'test'}_end", metrics)
         finished = True
     finally:
-        run.logger.close()
+        run.metric_logger.close()
         task_hooks.call_if_defined(run.task, "teardown", stage)
         run.strategy.teardown(finished)
     summary = stage_summary(run, stage, checkpoint, which, metrics, time.perf_counter() - start)

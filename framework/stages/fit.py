@@ -30,7 +30,7 @@ def fit(
         # Freed now, while the interpreter is whole: a DDP model holds the gloo process group, whose C++ threads,
         # destroyed during interpreter shutdown instead, aborted a worker now and then; and a sweep's next job
         # does not start with the last one's model, optimizer and data still in memory. Nothing of the run refers
-        # back to the trainer (the task sees a TaskHandle), so dropping it frees the run without a collection.
-        trainer.data.close()  # see DataModule.close
+        # back to the trainer (the task sees a RunView), so dropping it frees the run without a collection.
+        trainer.run.data.close()  # see DataModule.close
         del trainer
         gc.collect()  # what user code may still have tied in cycles (a callback holding the trainer)

@@ -32,12 +32,12 @@ from framework.core import reproducibility
 from framework.core.files import write_json
 from framework.loop.evaluate import move_to
 from framework.loop.preflight import check_first_batches
-from framework.loop.run import Run
+from framework.loop.run import Run, assemble
 from framework.observe.summary import SUMMARY_LOGGER
 from framework.task import hooks as task_hooks
-from framework.task.task import StepOutput, as_step_output
+from framework.task.task import StepOutput, as_step_output, swapped
 
-log = logging.getLogger("framework.loop.trainer")  # run.log's lines of a run, whatever its stage
+log = logging.getLogger(__name__)
 RECORD, PLOT = "lr_find.json", "lr_find.png"
 SKIP_BEGIN, SKIP_END = 10, 1  # Lightning's: the first steps' loss barely moves, the last may have diverged
 
@@ -88,7 +88,7 @@ def find_lr(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, Any]] = 
     fit_cfg = copy.deepcopy(cfg)
     with open_dict(fit_cfg):
         fit_cfg.stage = "fit"
-    run = Run(fit_cfg, run_dir, choices=choices)
+    run = assemble(fit_cfg, run_dir, choices=choices)
     finished, curve = False, None
     if cfg.trainer.max_steps > 0 and run.strategy.is_rank_zero:
         log.info(  # as in Lightning's tuner the length is the test's own; said, so it is not taken for a cap
@@ -100,7 +100,7 @@ def find_lr(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, Any]] = 
     try:
         check_first_batches(run.task, run.model_attr, run.evaluator, {}, ("train",))  # a mismatch: one line
         if not cfg.trainer.dry_run:  # (a dry run: built and checked, nothing trained)
-            with kept_states(run):
+            with kept_states(run), swapped(run.task, run.model_attr, run.model):
                 curve = range_test(run, cfg.lr_find)
         finished = True
     finally:
@@ -108,7 +108,7 @@ def find_lr(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, Any]] = 
         task_hooks.call_if_defined(run.task, "teardown", "fit")
         if curve is not None and run.strategy.is_rank_zero:
             _write(run, curve, cfg.lr_find)
-        run.logger.close()
+        run.metric_logger.close()
         run.strategy.teardown(finished)
     if curve is None:
         if run.strategy.is_rank_zero:
@@ -164,7 +164,7 @@ def range_test(run: Run, settings: DictConfig) -> Curve:
         curve.lrs.append(lr)
         curve.losses.append(loss)
         curve.smoothed.append(smoothed)
-        run.logger.log_metrics({"lr_find/loss": smoothed, "lr_find/raw_loss": loss, "lr_find/lr": lr}, i)
+        run.tensorboard.log_metrics({"lr_find/loss": smoothed, "lr_find/raw_loss": loss, "lr_find/lr": lr}, i)
         if not math.isfinite(smoothed):
             curve.stopped = f"the loss is not finite at lr {lr:.3g}"
             break
@@ -187,14 +187,14 @@ def _train_batches(run: Run) -> Iterator[Any]:
 def _optimizer_step(run: Run, batches: Iterator[Any], step: int) -> float:
     """One optimizer step as fit takes it (accumulate micro-batches, gradient sync on the last, autocast, the
     GradScaler's order, clipping); its loss, averaged over the micro-batches and the ranks."""
-    accumulate, precision = run.accumulate, run.precision
+    accumulate, precision = run.limits.accumulate, run.precision
     no_sync = run.strategy.no_sync(run.model) if accumulate > 1 else None
     total = torch.zeros((), device=run.device)
     for k in range(accumulate):
         batch = next(batches)
         if run.device.type != "cpu":
             batch = move_to(batch, run.device)
-        run.metric_logger.batch_n = run.task.batch_size(batch)
+        run.metric_logger.begin_batch(run.task.batch_size(batch))
         with no_sync() if no_sync is not None and k < accumulate - 1 else contextlib.nullcontext():
             with precision.autocast():
                 out = run.training_step(batch, step * accumulate + k)
@@ -202,7 +202,7 @@ def _optimizer_step(run: Run, batches: Iterator[Any], step: int) -> float:
                 out = as_step_output(out, f"{type(run.task).__name__}.training_step", training=True)
             precision.backward(out.loss / accumulate if accumulate > 1 else out.loss)
         total += out.loss.detach().float()
-    precision.step(run.optimizer, run.params, run.cfg.trainer.grad_clip_norm, run.cfg.trainer.grad_clip_value)
+    precision.step(run.optimizer, run.params, run.limits.grad_clip_norm, run.limits.grad_clip_value)
     run.optimizer.zero_grad(set_to_none=True)
     total = run.strategy.all_reduce_sum(total) / (accumulate * run.strategy.world_size)
     return float(total)  # the stop is decided on it: one host sync per step (this is no training loop)
@@ -221,8 +221,8 @@ def _write(run: Run, curve: Curve, settings: DictConfig) -> None:
 
     write_json(run.run_dir / RECORD, {**asdict(curve), "settings": dict(settings)})
     image = lr_plot.plot(curve.lrs, curve.smoothed, curve.losses, curve.suggestion, run.run_dir / PLOT)
-    if run.logger.writer is not None:
-        run.logger.writer.add_image("lr_find/curve", image, 0, dataformats="HWC")
+    if run.tensorboard.writer is not None:
+        run.tensorboard.writer.add_image("lr_find/curve", image, 0, dataformats="HWC")
 
 
 def no_suggestion(curve: Curve) -> str:

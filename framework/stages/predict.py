@@ -17,7 +17,7 @@ from framework.config.instantiate import FULL_ERROR_HINT, build, error_line
 from framework.core.errors import ConfigError, UserError
 from framework.core.files import write_json, write_text
 from framework.loop.evaluate import move_to
-from framework.loop.run import Run
+from framework.loop.run import Run, assemble
 from framework.observe.summary import print_summary
 from framework.stages.evaluate import load_weights, stage_summary
 from framework.stages.predictions import PredictionWriter, merge
@@ -35,7 +35,7 @@ def predict(
     rank streams its unpadded share to Parquet parts, rank 0 merges them into `predictions.parquet`, one row per
     sample in dataset order. A run killed midway and started again in its directory keeps the parts it wrote."""
     start = time.perf_counter()
-    run = Run(cfg, run_dir, choices=choices)
+    run = assemble(cfg, run_dir, choices=choices)
     strategy, finished = run.strategy, False
     try:
         source, total = _predict_source(cfg, run)
@@ -46,16 +46,13 @@ def predict(
             run_dir / f"{PREDICTIONS}.parts", strategy.rank, strategy.world_size, chunk_rows=chunk
         )
         step_fn = step_function(run.task, "predict_step")
-        wrapped = getattr(run.task, run.model_attr)
-        setattr(run.task, run.model_attr, run.module)  # no DDP/DP wrapper: each rank runs its own samples alone
-        run.task.eval()
+        run.task.eval()  # the task's own model, unwrapped: each rank runs its own samples alone
         batches = run.data.predict_batches(source, strategy.rank, strategy.world_size, writer.done(), seed=cfg.seed)
         with torch.inference_mode(), run.precision.autocast():  # the writer's CPU copies and cat are not autocast
             for i, (indices, batch) in enumerate(batches):
                 out = step_fn(move_to(batch, run.device), i) if i else _first_step(step_fn, batch, run)
                 writer.write(indices, out)
         writer.close()
-        setattr(run.task, run.model_attr, wrapped)
         strategy.gather_objects(None)  # every rank's parts are on disk before rank 0 merges them
         rows = merge(writer.out_dir, total, dest) if strategy.is_rank_zero else total
         files = getattr(source, "files", None)  # ImageFiles: which file each index is
@@ -68,7 +65,7 @@ def predict(
         with contextlib.suppress(OSError):  # nothing kept: nothing left behind (never hiding the error that ended it)
             if not finished and parts.is_dir() and not any(parts.iterdir()):
                 parts.rmdir()
-        run.logger.close()
+        run.metric_logger.close()
         task_hooks.call_if_defined(run.task, "teardown", "predict")
         strategy.teardown(finished)
     summary = {

@@ -22,11 +22,12 @@ inputs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -290,6 +291,22 @@ def as_step_output(out: Any, where: str, *, training: bool) -> Optional[StepOutp
             "number, the loss reduced over the batch"
         )
     return result
+
+
+@contextlib.contextmanager
+def swapped(task: nn.Module, attr: str, value: Any) -> Iterator[None]:
+    """`value` as `task.<attr>` for the block, the task's own put back afterwards: the one place a run changes what
+    the task holds (its model as the loop runs it, wrapped by DDP or set for evaluation; the handle a check's logs go
+    to). Outside every such block the task holds what the user gave it."""
+    own = getattr(task, attr)
+    if own is value:
+        yield
+        return
+    setattr(task, attr, value)
+    try:
+        yield
+    finally:
+        setattr(task, attr, own)
 
 
 def throwaway_copy(task: Task, model: nn.Module, handle: Any) -> Task:
