@@ -155,12 +155,9 @@ def test_ema_follows_the_formula_and_leaves_the_raw_weights_bit_identical(compos
     common = ("trainer.max_steps=7", "trainer.val_every_n_steps=3", "checkpoint=none", "callbacks=none")
     plain = make(compose, tmp_path / "plain", *common)
     plain.fit()
-    with_ema = make(compose, tmp_path / "ema", *common, "+callbacks.ema={_target_: framework.callbacks.ema.EMA, "
-                    "decay: 0.9, warmup: true}")
-    recorder = Recorder()
-    ema = with_ema.run.callbacks.callbacks["ema"]
-    with_ema.callbacks = CallbackList({"ema": ema, "rec": recorder})
-    with_ema._before_zero_grad = with_ema.callbacks.bound("on_before_zero_grad")
+    with_ema = make(compose, tmp_path / "ema", *common, "+callbacks.ema={_target_: framework.callbacks.EMA, "
+                    "decay: 0.9, warmup: true}", "+callbacks.rec._target_=test_callbacks.Recorder")
+    ema, recorder = with_ema.run.callbacks.callbacks["ema"], with_ema.run.callbacks.callbacks["rec"]
     initial = [t.detach().clone() for t in with_ema.run.module.state_dict().values()]
     summary = with_ema.fit()
     # Validation swapped the average in and the raw weights back: training is untouched by it.
@@ -174,7 +171,7 @@ def test_ema_follows_the_formula_and_leaves_the_raw_weights_bit_identical(compos
         torch.testing.assert_close(got, e, rtol=1e-6, atol=1e-7)
     assert ema.updates == 7
     # val/* measured the averaged weights: different from the plain run's.
-    assert summary["val/loss"] != plain.metrics["val/loss"]
+    assert summary["val/loss"] != plain.run.metric_logger.metrics["val/loss"]
 
 
 @pytest.mark.e2e
