@@ -21,7 +21,8 @@ from conftest import CONF, KILLHOOK, TESTS, on_pythonpath, one_error_line, outpu
 from omegaconf import OmegaConf
 
 from framework.callbacks.base import Callback
-from framework.observe.trackers import CsvTracker, TrackedRun, Trackers, finish, open_sweep
+from framework.observe.trackers import CsvTracker, Trackers, finish, open_sweep
+from framework.observe.tracked import TrackedRun
 
 pytestmark = pytest.mark.unit
 

@@ -106,7 +106,9 @@ def callbacks_check(callbacks: CallbackList) -> Callable[[Any, str], None]:
     return check
 
 
-def load_test_weights(cfg: DictConfig, checkpoints: Any, strategy: Any, module: Any) -> str:
+def load_test_weights(
+    cfg: DictConfig, checkpoints: CheckpointManager, strategy: Strategy, module: torch.nn.Module
+) -> str:
     """Put into `module` the weights fit's test uses, as trainer.test_ckpt says (Lightning's ckpt_path; by default the
     best checkpoint's when a monitored top-k keeps one, else the final weights); returns which, for the summary.
     Rank 0 knows the checkpoints; every rank loads the same."""

@@ -99,7 +99,7 @@ def validate(cfg: DictConfig) -> None:
 
 def _check_trackers_installed(logger: DictConfig) -> None:
     """A chosen tracker whose package is missing is refused before the run starts (imported only when used)."""
-    from framework.observe.trackers import PACKAGES
+    from framework.observe.tracked import PACKAGES
 
     for name, package in PACKAGES.items():
         if OmegaConf.select(logger, f"{name}.enabled") and importlib.util.find_spec(package) is None:

@@ -27,10 +27,10 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Optio
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Subset
 
+import framework.data.folds as kfold
 from framework.config.instantiate import FULL_ERROR_HINT, error_line
 from framework.core.errors import ConfigError, UserError
 from framework.core.reproducibility import generator, worker_seed
-from framework.data import folds as kfold
 from framework.data.streaming import Stream
 
 log = logging.getLogger(__name__)

@@ -271,10 +271,11 @@ class Stream:
 
     def redistribute(self, epoch: int, chain: list[tuple[int, int]]) -> int:
         """Plan the rest of `epoch` after `chain` (see Rest); returns the loop's batch it starts at."""
-        self.rest = Rest(epoch, chain, 0)
-        n = len(self.order(epoch))
-        self.rest.offset = max(0, self.batches_n - self._count(n))
-        return self.rest.offset
+        planned = Rest(epoch, chain, 0)
+        self.rest = planned
+        offset = max(0, self.batches_n - self._count(len(self.order(epoch))))  # (order() reads the plan's chain)
+        self.rest = Rest(epoch, chain, offset)
+        return offset
 
     def floor(self, first: int) -> int:
         """The lowest storage position that batches from `first` (in this rank's order) on may need, for a scan."""

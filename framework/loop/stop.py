@@ -17,6 +17,9 @@ import signal
 from typing import Any, Optional
 
 import torch
+from framework.checkpoint.state import Progress
+from framework.core.signals import SignalWatch
+from framework.parallel.strategy import Strategy
 
 log = logging.getLogger(__name__)
 _SIGNAL_SLOTS = range(signal.NSIG)  # signal numbers, for agreeing on one across ranks
@@ -24,7 +27,7 @@ _REQUEST = signal.NSIG  # the flags' last slot: a rank asked to stop
 
 
 class Stop:
-    def __init__(self, strategy: Any, min_epochs: int, min_steps: int) -> None:
+    def __init__(self, strategy: Strategy, min_epochs: int, min_steps: int) -> None:
         self.strategy, self.min_epochs, self.min_steps = strategy, min_epochs, min_steps
         self.reason = ""  # why the run was asked to stop; not saved: on resume, callbacks decide again
         self._sent = False  # this rank's request went into an agreement (it is not sent twice)
@@ -39,7 +42,7 @@ class Stop:
         if not self.reason:
             self.reason = reason
 
-    def granted(self, progress: Any) -> bool:
+    def granted(self, progress: Progress) -> bool:
         """A request counts once every rank agreed on it and min_epochs and min_steps are reached; before those are,
         it is dropped (the callback asks again at its next check), as Lightning does."""
         if not self.reason or (self.strategy.world_size > 1 and not self._agreed):
@@ -58,7 +61,7 @@ class Stop:
         self.reason, self._sent, self._agreed = "", False, False
         return False
 
-    def agreed(self, watch: Any) -> Optional[int]:
+    def agreed(self, watch: SignalWatch) -> Optional[int]:
         """After an optimizer step: the signal to stop on now (if any), agreed by every rank, and any rank's request
         to stop, which becomes this one's. With several ranks, what the previous step sent; this step's flags are
         sent to be read after the next one (none once a signal stops the run)."""
@@ -70,7 +73,7 @@ class Stop:
             self._send(received)
         return signum
 
-    def settle(self, watch: Any) -> None:
+    def settle(self, watch: SignalWatch) -> None:
         """Where the loop is between steps (before the first, after an epoch): the request in flight and any made
         since (an epoch-end hook's) agreed now, the host waiting for it; once per epoch. A signal agreed here stops
         the run after the next step, as one received while the run was starting or validating always did."""

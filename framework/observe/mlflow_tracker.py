@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 from omegaconf import DictConfig
 
-from framework.observe.trackers import TrackedRun
+from framework.observe.tracked import TrackedRun
 
 BATCH = 1000  # MLflow's most metrics in one log_batch (and 100 params)
 FLUSH_S = 10.0  # the longest a point waits to be written (torch's SummaryWriter: flush_secs=10)

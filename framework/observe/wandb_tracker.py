@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from framework.core import files
 from framework.core.compat import wandb_records as records
-from framework.observe.trackers import TrackedRun, flat_values
+from framework.observe.tracked import TrackedRun, flat_values
 
 
 def _settings() -> Any:
