@@ -239,9 +239,9 @@ def view_for(task, logger, *, progress=None, stop=None, strategy=None, run_dir: 
     from framework.checkpoint.state import Progress
     from framework.loop.stop import Stop
     from framework.loop.view import RunView
-    from framework.parallel.strategy import Strategy
+    from framework.parallel.strategy import SingleDevice
 
-    strategy = strategy or Strategy(torch.device("cpu"))
+    strategy = strategy or SingleDevice(torch.device("cpu"))
     model = getattr(task, "model", None) or torch.nn.Identity()
     parts = types.SimpleNamespace(model=model, data=None, optimizer=None)
     limits = types.SimpleNamespace(max_epochs=max_epochs, max_steps=max_steps, log_every_n_steps=1)
@@ -260,10 +260,10 @@ def evaluator_for(task, data, *, run_dir: Path | None = None, overfit: int = 0, 
     from framework.observe.metric_logger import MetricLogger
     from framework.observe.tensorboard import TensorBoardLogger
     from framework.parallel.precision import Precision
-    from framework.parallel.strategy import Strategy
+    from framework.parallel.strategy import SingleDevice
     from framework.task.task import step_function
 
-    cpu, strategy = torch.device("cpu"), Strategy(torch.device("cpu"))
+    cpu, strategy = torch.device("cpu"), SingleDevice(torch.device("cpu"))
     tensorboard = TensorBoardLogger(run_dir or Path("unused"), enabled=run_dir is not None)
     logger = MetricLogger(device=cpu, tensorboard=tensorboard, bar=None, run_dir=run_dir, accumulate=1,
                           steps_per_epoch=1)

@@ -25,7 +25,8 @@ from torch.overrides import TorchFunctionMode
 from framework.config.validate import validate
 from framework.core.errors import ConfigError
 from framework.parallel.precision import Precision
-from framework.parallel.strategy import DataParallelStrategy, FSDPStrategy, Strategy, build_strategy, default_backend
+from framework.parallel.group import default_backend
+from framework.parallel.strategy import DataParallelStrategy, FSDPStrategy, SingleDevice, Strategy, build_strategy
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -57,7 +58,7 @@ def test_dp_replica_computes_in_the_runs_dtype_inside_a_thread_that_only_enables
         thread.start()
         thread.join()
     assert dtypes == [torch.float16]
-    assert Strategy(torch.device("cpu")).unwrap(wrapped) is model  # saved without any wrapper's prefix
+    assert SingleDevice(torch.device("cpu")).unwrap(wrapped) is model  # saved without any wrapper's prefix
 
 
 @cuda
@@ -94,7 +95,7 @@ class TaskWithItsOwnState(nn.Module):
 @pytest.mark.unit
 def test_fsdp_places_the_tasks_own_parameters_and_buffers_and_leaves_the_model_to_wrap():
     task = TaskWithItsOwnState()
-    meta = Strategy(torch.device("meta"))  # FSDPStrategy.place reads only the device; no process group needed
+    meta = SingleDevice(torch.device("meta"))  # FSDPStrategy.place reads only the device; no process group needed
     FSDPStrategy.place(meta, task, task.model)  # type: ignore[arg-type]
     assert task.temperature.is_meta and isinstance(task.temperature, nn.Parameter)
     assert not task.temperature.requires_grad
@@ -107,7 +108,7 @@ def test_fsdp_places_the_tasks_own_parameters_and_buffers_and_leaves_the_model_t
 def test_building_a_sharded_run_places_the_tasks_own_state():
     from framework.loop.build import place
 
-    class ShardedOnMeta(Strategy):
+    class ShardedOnMeta(SingleDevice):
         sharded = True
         place = FSDPStrategy.place
 

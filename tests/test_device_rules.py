@@ -14,7 +14,7 @@ from framework.checkpoint.state import Progress
 from framework.loop.stop import Stop
 from framework.observe.metric_logger import MetricLogger
 from framework.observe.tensorboard import TensorBoardLogger
-from framework.parallel.strategy import Strategy
+from framework.parallel.strategy import SingleDevice
 from framework.task.task import Task
 from conftest import view_for
 
@@ -28,7 +28,7 @@ def meta_logger(tmp_path: Path) -> tuple[MetricLogger, Task]:
                           run_dir=tmp_path, accumulate=1, steps_per_epoch=10)
     task = Task(nn.Linear(2, 2))
     logger.attach(task)
-    view_for(task, logger, strategy=Strategy(META))
+    view_for(task, logger, strategy=SingleDevice(META))
     logger.record_loss(torch.zeros((), device=META))  # the loop's loss, on the device
     return logger, task
 

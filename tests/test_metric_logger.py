@@ -17,7 +17,7 @@ from framework.loop.stop import Stop
 from framework.observe.logged import OWN_LOSS, TrainLog, stage_name
 from framework.observe.metric_logger import MetricLogger
 from framework.observe.tensorboard import TensorBoardLogger
-from framework.parallel.strategy import Strategy
+from framework.parallel.strategy import SingleDevice
 from framework.task.task import Task
 
 pytestmark = pytest.mark.unit
@@ -93,7 +93,7 @@ def test_validation_logs_are_epoch_means_whatever_on_step_says(tmp_path):
     with logger.evaluation("val") as logged:
         task.log("val/x", 1.0, on_step=True, on_epoch=False)
         task.log("val/x", 3.0, on_step=True, on_epoch=False)
-    _, values = logged.finish(Strategy(CPU), task, {}, 0)
+    _, values = logged.finish(SingleDevice(CPU), task, {}, 0)
     assert values == {"val/x": 2.0}
     step(logger)
     logger.flush(1, {})
@@ -108,7 +108,7 @@ def test_reduce_fx_reduces_the_epoch_values_in_training_and_in_validation(tmp_pa
     with logger.evaluation("val") as logged:
         for value in (1.0, 5.0, 3.0):
             task.log("val/x", value, reduce_fx=reduce_fx)
-    _, values = logged.finish(Strategy(CPU), task, {}, 0)
+    _, values = logged.finish(SingleDevice(CPU), task, {}, 0)
     with logger.epoch_hook():
         for value in (1.0, 5.0, 3.0):
             task.log("train/x", value, reduce_fx=reduce_fx)
@@ -135,7 +135,7 @@ def test_an_epoch_mean_is_weighted_by_batch_size_given_or_the_batchs_own(tmp_pat
     with logger.epoch_hook():  # the same in training's epoch values
         task.log("train/given", 2.0, batch_size=3)
         task.log("train/given", 6.0, batch_size=1)
-    _, values = logged.finish(Strategy(CPU), task, {}, 0)
+    _, values = logged.finish(SingleDevice(CPU), task, {}, 0)
     assert values == {"val/given": 3.0, "val/own": 3.0}  # (2*3 + 6*1) / 4, not 4.0, the mean of the two values
     assert logger.end_epoch(task, 1, {})["train/given"] == 3.0
 
@@ -150,7 +150,7 @@ def test_logger_false_keeps_a_value_out_of_tensorboard_but_in_the_metrics_and_th
     logger.end_epoch(task, 1, {})
     with logger.evaluation("val") as logged:
         task.log("val/secret", 2.0, logger=False)
-    logger.write(logged.finish(Strategy(CPU), task, {}, 0)[1], 1)
+    logger.write(logged.finish(SingleDevice(CPU), task, {}, 0)[1], 1)
     scalars = written(logger, tmp_path)
     assert "train/open" in scalars
     assert not {"train/secret", "train/secret_epoch", "val/secret"} & set(scalars)

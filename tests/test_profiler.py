@@ -18,7 +18,7 @@ from framework.core.errors import ConfigError
 from framework.loop.trainer import Trainer
 from framework.observe.profiler import PHASES, Profiler, SimpleProfiler, cap_trace
 from framework.observe.summary import print_summary
-from framework.parallel.strategy import Strategy
+from framework.parallel.strategy import SingleDevice
 
 pytestmark = pytest.mark.unit
 
@@ -126,7 +126,7 @@ def test_ddp_all_reduce_wait_is_timed_by_a_comm_hook_and_taken_out_of_backward(t
     try:
         torch.manual_seed(0)
         model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
-        profiler = SimpleProfiler(Strategy(torch.device("cpu")), model)
+        profiler = SimpleProfiler(SingleDevice(torch.device("cpu")), model)
         forward, backward, step = profiler.loop_fns(lambda x: model(x).sum(), lambda loss: loss.backward(), lambda: 0)
         with profiler:
             for _ in range(3):

@@ -1,4 +1,4 @@
-"""framework/checkpoint/restore.py built directly: the checks of the parts whose saved form depends on the run (optimizer,
+"""framework/loop/restore.py built directly: the checks of the parts whose saved form depends on the run (optimizer,
 precision, callbacks) refuse a saved part that does not fit before anything is loaded, `restore` leaves nothing
 half-restored, and fit's test takes the best or the final weights, surviving a damaged best."""
 from __future__ import annotations
@@ -16,10 +16,10 @@ from torch import nn
 from framework.callbacks.base import CallbackList
 from framework.callbacks.early_stopping import EarlyStopping
 from framework.checkpoint import MODEL_FILE, CheckpointManager, DamagedCheckpoint, open_checkpoint, write_checkpoint
-from framework.checkpoint.restore import callbacks_check, load_test_weights, optimizer_check, precision_check, restore
+from framework.loop.restore import callbacks_check, load_test_weights, optimizer_check, precision_check, restore
 from framework.checkpoint.state import Progress, TrainingState
 from framework.parallel.precision import Precision
-from framework.parallel.strategy import Strategy
+from framework.parallel.strategy import SingleDevice
 
 pytestmark = pytest.mark.unit
 CPU = torch.device("cpu")
@@ -66,7 +66,7 @@ def test_the_callbacks_check_refuses_a_configured_callbacks_mismatching_state_an
     callbacks = CallbackList({"early_stopping": EarlyStopping(), "fresh": EarlyStopping()})
     check = callbacks_check(callbacks)
     saved = {"early_stopping": EarlyStopping().state_dict(), "gone": {"count": 1}}
-    with caplog.at_level(logging.INFO, logger="framework.checkpoint.restore"):
+    with caplog.at_level(logging.INFO, logger="framework.loop.restore"):
         check(saved, "checkpoint c: callbacks")
     assert "callbacks.fresh is new in this run: it starts fresh" in caplog.text
     assert "checkpoint c: callbacks/gone is not configured in this run; its saved state is not used" in caplog.text
@@ -91,14 +91,14 @@ def test_a_checkpoint_whose_optimizer_does_not_fit_is_refused_before_the_weights
     adam = torch.optim.Adam(model.parameters())
     cfg = OmegaConf.create({"scheduler": {}, "optimizer": {"_target_": "torch.optim.Adam"}})
     with pytest.raises(DamagedCheckpoint, match="optimizer/param_groups/0"):
-        restore(open_checkpoint(tmp_path / "last"), cfg, registry(model, adam), module=model, strategy=Strategy(CPU),
+        restore(open_checkpoint(tmp_path / "last"), cfg, registry(model, adam), module=model, strategy=SingleDevice(CPU),
                 optimizer=adam, scheduler=None)
     assert all(torch.equal(v, fresh[k]) for k, v in model.state_dict().items())  # nothing half-restored
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     cfg = OmegaConf.create({"scheduler": {}, "optimizer": {"_target_": "torch.optim.SGD", "lr": 0.1,
                                                            "momentum": 0.9}})
     progress = registry(model, sgd)
-    restore(open_checkpoint(tmp_path / "last"), cfg, progress, module=model, strategy=Strategy(CPU), optimizer=sgd,
+    restore(open_checkpoint(tmp_path / "last"), cfg, progress, module=model, strategy=SingleDevice(CPU), optimizer=sgd,
             scheduler=None)
     assert all(torch.equal(v, saved_model.state_dict()[k]) for k, v in model.state_dict().items())
     assert progress.progress.step == 1 and len(sgd.state) == 2  # the momentum buffers came back
@@ -143,7 +143,7 @@ def config(test_ckpt: Any) -> Any:
 def test_fit_tests_the_best_checkpoints_weights_by_default_and_when_asked(tmp_path, test_ckpt):
     module = nn.Linear(2, 1)
     checkpoints, best = best_kept(tmp_path, module)
-    assert load_test_weights(config(test_ckpt), checkpoints, Strategy(CPU), module) == "best (step 2)"
+    assert load_test_weights(config(test_ckpt), checkpoints, SingleDevice(CPU), module) == "best (step 2)"
     assert all(torch.equal(v, best[k]) for k, v in module.state_dict().items())
 
 
@@ -151,7 +151,7 @@ def test_fit_tests_the_final_weights_when_asked_for_last(tmp_path):
     module = nn.Linear(2, 1)
     checkpoints, _ = best_kept(tmp_path, module)
     final = {k: v.clone() for k, v in module.state_dict().items()}
-    assert load_test_weights(config("last"), checkpoints, Strategy(CPU), module) == "last"
+    assert load_test_weights(config("last"), checkpoints, SingleDevice(CPU), module) == "last"
     assert all(torch.equal(v, final[k]) for k, v in module.state_dict().items())
 
 
@@ -163,8 +163,8 @@ def test_a_damaged_best_checkpoint_is_a_warning_and_the_final_weights_are_tested
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF  # still a safetensors file: only its checksum can tell
     replace(weights, bytes(data))
-    with caplog.at_level(logging.WARNING, logger="framework.checkpoint.restore"):
-        assert load_test_weights(config("best"), checkpoints, Strategy(CPU), module) == \
+    with caplog.at_level(logging.WARNING, logger="framework.loop.restore"):
+        assert load_test_weights(config("best"), checkpoints, SingleDevice(CPU), module) == \
             "last (the best checkpoint is damaged)"
     assert "trainer.test_ckpt=best: " in caplog.text and "testing the final weights" in caplog.text
     assert all(torch.equal(v, final[k]) for k, v in module.state_dict().items())
@@ -173,5 +173,5 @@ def test_a_damaged_best_checkpoint_is_a_warning_and_the_final_weights_are_tested
 def test_no_best_checkpoint_tests_the_final_weights_saying_why(tmp_path):
     module = nn.Linear(2, 1)
     checkpoints = CheckpointManager(tmp_path / "checkpoints", monitor="val/acc", save_top_k=1, fsync=False)
-    tested = load_test_weights(config("best"), checkpoints, Strategy(CPU), module)
+    tested = load_test_weights(config("best"), checkpoints, SingleDevice(CPU), module)
     assert tested == "last (no best checkpoint was saved)"

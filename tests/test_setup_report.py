@@ -14,7 +14,7 @@ from framework.loop.build import build_components
 from framework.observe.setup_report import describe_setup
 from framework.observe.tensorboard import TensorBoardLogger
 from framework.optim.schedulers import lr_plan
-from framework.parallel.strategy import Strategy
+from framework.parallel.strategy import SingleDevice
 
 pytestmark = pytest.mark.unit
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.unit
 @pytest.fixture
 def built(compose, tmp_path):
     cfg = compose("scheduler=warmup_cosine", "scheduler.warmup_steps=3", "trainer.max_steps=12")
-    return cfg, build_components(cfg, Strategy(torch.device("cpu")), tmp_path)
+    return cfg, build_components(cfg, SingleDevice(torch.device("cpu")), tmp_path)
 
 
 def test_a_fresh_run_writes_its_groups_lr_plan_and_config_for_tensorboard(built, tmp_path):

@@ -11,7 +11,7 @@ import torch
 
 from framework.core import startup
 from framework.loop.build import build_components
-from framework.parallel.strategy import Strategy
+from framework.parallel.strategy import SingleDevice
 
 pytestmark = pytest.mark.unit
 
@@ -46,5 +46,5 @@ def test_the_collector_runs_again_once_the_runs_components_are_built(compose, tm
     cfg = compose("trainer.device=cpu")
     gc.enable()
     startup.pause_collector()
-    build_components(cfg, Strategy(torch.device("cpu")), tmp_path)
+    build_components(cfg, SingleDevice(torch.device("cpu")), tmp_path)
     assert gc.isenabled()

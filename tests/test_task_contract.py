@@ -30,7 +30,7 @@ from framework.callbacks.base import Callback
 from framework.checkpoint import open_checkpoint
 from framework.core.errors import ConfigError
 from framework.loop.trainer import Trainer
-from framework.task import hooks as task_hooks
+from framework.callbacks import task_hooks
 from framework.task.task import StepOutput, Task
 
 pytestmark = pytest.mark.unit

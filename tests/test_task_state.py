@@ -12,11 +12,11 @@ from torch import nn
 
 from framework.checkpoint import DamagedCheckpoint
 from framework.checkpoint.state import TaskState
-from framework.parallel.strategy import Strategy
+from framework.parallel.strategy import SingleDevice
 from framework.task.task import Task
 
 pytestmark = pytest.mark.unit
-CPU = Strategy(torch.device("cpu"))
+CPU = SingleDevice(torch.device("cpu"))
 
 
 class Keeping(Task):

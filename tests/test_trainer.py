@@ -215,6 +215,6 @@ def test_a_training_step_enters_only_the_loop_the_task_precision_the_stop_and_th
     assert len(steps) == 13, len(steps)  # before the first step, 12 steps (the last one runs on to the end)
     middle = set().union(*steps[3:11])  # whole steps, from one optimizer step into the next
     allowed = {"loop/trainer.py", "loop/step.py", "checkpoint/state.py", "observe/metric_logger.py",
-               "observe/logged.py", "task/task.py", "parallel/precision.py", "loop/stop.py"}
+               "observe/logged.py", "task/task.py", "parallel/precision.py", "parallel/strategy.py", "loop/stop.py"}
     assert middle <= allowed, middle
     assert {"loop/trainer.py", "loop/step.py", "task/task.py", "parallel/precision.py"} <= middle, middle

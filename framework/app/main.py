@@ -457,7 +457,7 @@ def launch(
     choices: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """In this process, or, for parallel=ddp or fsdp without a launcher, in one spawned process per device."""
-    from framework.parallel.strategy import default_devices, under_launcher  # imported after validation: fail fast
+    from framework.parallel.group import default_devices, under_launcher  # imported after validation: fail fast
 
     if cfg.parallel.strategy in ("ddp", "fsdp") and not under_launcher():
         resolve_calls(cfg)  # spawned workers have no HydraConfig to resolve `${hydra:...}` with

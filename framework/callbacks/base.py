@@ -171,7 +171,7 @@ def _overrides(callback: Callback, hook: str) -> bool:
 
 class CallbackList:
     """The run's callbacks by config name, and per hook the bound methods of those that implement it. `first`
-    (the task's own Lightning hooks, framework/task/hooks.py) runs before them and has no state."""
+    (the task's own Lightning hooks, framework/callbacks/task_hooks.py) runs before them and has no state."""
 
     def __init__(self, callbacks: dict[str, Callback], first: Optional[Callback] = None) -> None:
         self.callbacks = dict(callbacks)

@@ -43,8 +43,11 @@ class Ranks(Protocol):
     """The processes saving together (framework.parallel.strategy's strategies are): this one's rank, how many there
     are, an all-gather and a broadcast of small picklable objects."""
 
-    rank: int
-    world_size: int
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
 
     def gather_objects(self, obj: Any) -> list[Any]: ...
 

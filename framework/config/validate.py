@@ -17,6 +17,9 @@ from framework.config.schema import PROCESS_STRATEGIES, WANDB_MODES, StrategyNam
 from framework.core.errors import ConfigError
 from framework.core.signals import parse as parse_signal
 
+# The logger group's backends that need a package of their own (the `trackers` extra installs them).
+TRACKER_PACKAGES = {"mlflow": "mlflow", "wandb": "wandb"}
+
 
 def _require(ok: bool, key: str, value: object, expected: str) -> None:
     if not ok:
@@ -99,9 +102,7 @@ def validate(cfg: DictConfig) -> None:
 
 def _check_trackers_installed(logger: DictConfig) -> None:
     """A chosen tracker whose package is missing is refused before the run starts (imported only when used)."""
-    from framework.observe.tracked import PACKAGES
-
-    for name, package in PACKAGES.items():
+    for name, package in TRACKER_PACKAGES.items():
         if OmegaConf.select(logger, f"{name}.enabled") and importlib.util.find_spec(package) is None:
             raise ConfigError(
                 f"logger={name}: the {package} package is not installed; expected it installed "

@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 import torch
 from omegaconf import DictConfig
 
+from framework.callbacks import task_hooks
 from framework.callbacks.base import Callback, CallbackList
 from framework.callbacks.timer import Timer
 from framework.checkpoint import CheckpointManager, check_compatible, load_weights
@@ -27,7 +28,6 @@ from framework.optim.schedulers import build_scheduler
 from framework.parallel import activation_checkpointing, meta_init
 from framework.parallel.precision import Precision
 from framework.parallel.strategy import Strategy
-from framework.task import hooks as task_hooks
 from framework.task.task import Task
 
 

@@ -16,12 +16,12 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from framework.callbacks import task_hooks
 from framework.data.module import DataModule
 from framework.loop.build import limit
 from framework.observe.metric_logger import MetricLogger
 from framework.parallel.precision import Precision
 from framework.parallel.strategy import Strategy
-from framework.task import hooks as task_hooks
 from framework.task.task import Task, as_step_output, swapped
 
 

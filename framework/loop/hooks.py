@@ -1,5 +1,5 @@
 """Lightning's hooks as the loop reaches them: every callback that implements one (the task's own hooks first,
-framework/task/hooks.py), called with the run's view and the task, and what the task may log there."""
+framework/callbacks/task_hooks.py), called with the run's view and the task, and what the task may log there."""
 
 from __future__ import annotations
 

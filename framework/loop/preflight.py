@@ -14,12 +14,12 @@ from typing import Any, Optional
 
 import torch
 
+from framework.callbacks import task_hooks
 from framework.checkpoint.state import TaskState
 from framework.core import reproducibility
 from framework.core.errors import ConfigError
 from framework.loop.evaluate import Evaluator, move_to
 from framework.observe.logged import as_tensor
-from framework.task import hooks as task_hooks
 from framework.task.task import StepOutput, Task, step_function, swapped, throwaway_copy
 
 log = logging.getLogger(__name__)

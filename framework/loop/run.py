@@ -13,9 +13,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import framework
+from framework.callbacks import task_hooks
 from framework.callbacks.base import CallbackList
 from framework.checkpoint import Checkpoint, CheckpointManager, open_checkpoint
-from framework.checkpoint.restore import callbacks_check, optimizer_check, precision_check, restore
 from framework.checkpoint.state import Progress, RngState, TaskState, TrainingState
 from framework.config.interpolation import interpolations, sources
 from framework.core import reproducibility
@@ -24,6 +24,7 @@ from framework.data.module import DataCheck, DataModule, check_data
 from framework.data.streaming import StreamState
 from framework.loop.build import Components, build_components
 from framework.loop.evaluate import Evaluator, move_to
+from framework.loop.restore import callbacks_check, optimizer_check, precision_check, restore
 from framework.loop.stop import Stop
 from framework.loop.view import RunView
 from framework.observe.logged import TrainLog
@@ -37,7 +38,6 @@ from framework.optim.groups import group_names
 from framework.parallel.memory import PeakMemory, model_devices
 from framework.parallel.precision import Precision
 from framework.parallel.strategy import Strategy, build_strategy
-from framework.task import hooks as task_hooks
 from framework.task.task import Task, step_function
 
 log = logging.getLogger(__name__)

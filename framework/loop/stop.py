@@ -17,6 +17,7 @@ import signal
 from typing import Any, Optional
 
 import torch
+
 from framework.checkpoint.state import Progress
 from framework.core.signals import SignalWatch
 from framework.parallel.strategy import Strategy

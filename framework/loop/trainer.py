@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional
 import torch
 from omegaconf import DictConfig
 
+from framework.callbacks import task_hooks
 from framework.checkpoint import Checkpoint, CheckpointSaveError
 from framework.config.instantiate import error_line
 from framework.core.errors import Interrupted, UserError
@@ -34,7 +35,6 @@ from framework.loop.summary import fit_summary
 from framework.loop.validation import Validation
 from framework.observe.profiler import build_profiler
 from framework.observe.summary import print_summary
-from framework.task import hooks as task_hooks
 from framework.task.task import StepOutput, as_step_output, swapped
 
 log = logging.getLogger(__name__)

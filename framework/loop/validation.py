@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from framework.checkpoint.restore import load_test_weights
 from framework.core.errors import ConfigError
 from framework.loop.hooks import Hooks
+from framework.loop.restore import load_test_weights
 from framework.loop.run import Run, monitors
 
 

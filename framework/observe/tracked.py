@@ -19,8 +19,6 @@ traceback_log = logging.getLogger(f"{__name__}.traceback")
 
 
 RECORD = "trackers.json"  # in the run directory: each tracker's run ID, and which trackers failed
-# The config's backends that need a package of their own, and the package (the `trackers` extra installs them).
-PACKAGES = {"mlflow": "mlflow", "wandb": "wandb"}
 
 
 @dataclass

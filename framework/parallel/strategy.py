@@ -13,21 +13,19 @@ from every rank, so every rank must run the same number of them.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import logging
 import os
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional, Union
 
 import torch
 from torch import nn
 
 from framework.config.instantiate import error_line, import_object
 from framework.core.errors import ConfigError
+from framework.parallel.group import LocalGroup, ProcessGroup, default_backend, under_launcher
 
 log = logging.getLogger(__name__)
-
-DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def pick_device(requested: str, local_rank: int = 0) -> torch.device:
@@ -39,41 +37,28 @@ def pick_device(requested: str, local_rank: int = 0) -> torch.device:
     return device
 
 
-def default_backend(device: torch.device, offload: bool = False) -> str:
-    """The process group's backend when parallel.backend is null: nccl on CUDA, gloo on CPU. `offload`: FSDP keeps
-    gradients and optimizer state on the CPU (cpu_offload), where clipping and GradNormMonitor reduce them, and
-    nccl reduces no CPU tensor, so those go through gloo."""
-    if device.type != "cuda":
-        return "gloo"
-    return "cpu:gloo,cuda:nccl" if offload else "nccl"
-
-
-def under_launcher() -> bool:
-    """True when a launcher (torchrun, or our own spawn) already set the process-group environment."""
-    return all(name in os.environ for name in DISTRIBUTED_ENV)
-
-
-def default_devices() -> int:
-    """Processes for parallel=ddp/fsdp when parallel.devices is not set: one per GPU, or 2 on CPU."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 2
-
-
 class Strategy:
-    """One process, one device."""
+    """What every strategy answers, with what one process on one device does. It holds no state of its own: a
+    strategy sets `device` and `group` (its processes: framework/parallel/group.py) in its constructor."""
 
     name = "single"
-    rank = 0
-    world_size = 1
     mesh: Any = None  # the DeviceMesh a sharded model's DTensors live on (fsdp)
     sharded = False  # every rank holds (and saves) only its shard of the training state
     collective_forward = False  # a forward pass communicates: every rank must run as many as the others
+    device: torch.device
+    group: Union[LocalGroup, ProcessGroup]
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size
 
     @property
     def is_rank_zero(self) -> bool:
-        return self.rank == 0
+        return self.group.rank == 0
 
     def place(self, task: nn.Module, model: nn.Module) -> None:
         """The task, its model included, on the device."""
@@ -100,21 +85,28 @@ class Strategy:
         return None
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+        return self.group.all_reduce_sum(tensor)
 
     def gather_objects(self, obj: Any) -> list[Any]:
-        return [obj]
+        return self.group.gather_objects(obj)
 
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""
-        return obj
+        return self.group.broadcast_object(obj)
 
     def background_ranks(self) -> Any:
-        """The ranks a sharded checkpoint committed on a writer thread agrees through (one process: itself)."""
-        return self
+        """The ranks a sharded checkpoint committed on a writer thread agrees through."""
+        return self.group.background_ranks()
 
     def teardown(self, finished: bool = True) -> None:
-        pass
+        self.group.teardown(finished)
+
+
+class SingleDevice(Strategy):
+    """One process, one device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.group = device, LocalGroup()
 
 
 class ReplicaAutocast(nn.Module):
@@ -137,6 +129,9 @@ class DataParallelStrategy(Strategy):
 
     name = "dp"
 
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.group = device, LocalGroup()
+
     def wrap(self, model: nn.Module, param_dtype: Optional[torch.dtype] = None) -> nn.Module:
         if param_dtype is not None:  # the run's autocast dtype, entered again in each replica's thread
             model = ReplicaAutocast(model, self.device.type, param_dtype)
@@ -149,31 +144,10 @@ class DDPStrategy(Strategy):
     name = "ddp"
 
     def __init__(self, parallel_cfg: Any, device: str) -> None:
-        import torch.distributed as dist
-
-        self.dist = dist
-        self.rank = int(os.environ["RANK"])
-        self.world_size = int(os.environ["WORLD_SIZE"])
-        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
-        super().__init__(pick_device(device, self.local_rank))
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        elif "OMP_NUM_THREADS" not in os.environ:  # processes sharing a CPU must not oversubscribe its cores
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        self.group = ProcessGroup()
+        self.device = join(self.group, parallel_cfg, device, offload=False)
         self.find_unused_parameters = parallel_cfg.find_unused_parameters
         self.static_graph = parallel_cfg.static_graph
-        if not dist.is_initialized():
-            offload = self.name == "fsdp" and parallel_cfg.cpu_offload
-            backend = parallel_cfg.backend or default_backend(self.device, offload=offload)
-            timeout = datetime.timedelta(seconds=parallel_cfg.timeout_s)
-            dist.init_process_group(
-                backend,
-                timeout=timeout,
-                rank=self.rank,
-                world_size=self.world_size,
-                store=_elastic_attempt_store(timeout, self.world_size),
-            )
 
     def wrap(self, model: nn.Module, param_dtype: Optional[torch.dtype] = None) -> nn.Module:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
@@ -196,70 +170,37 @@ class DDPStrategy(Strategy):
         # one every rank holds its own: evaluate with rank 0's, the ones the checkpoint saves.
         with torch.no_grad():
             for buffer in module.buffers():
-                self.dist.broadcast(buffer, 0)
+                self.group.broadcast_from_rank_zero(buffer)
         return module
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.dist.all_reduce(tensor)
-        return tensor
 
-    def gather_objects(self, obj: Any) -> list[Any]:
-        gathered: list[Any] = [None] * self.world_size
-        self.dist.all_gather_object(gathered, obj)
-        return gathered
-
-    def broadcast_object(self, obj: Any) -> Any:
-        holder = [obj]
-        self.dist.broadcast_object_list(holder, src=0)
-        return holder[0]
-
-    def background_ranks(self) -> GroupRanks:
-        """These ranks over a gloo process group of their own (every rank calls it, once, at the same point): for
-        the collectives of a sharded checkpoint committed on a writer thread while training runs its own."""
-        return GroupRanks(self.dist.new_group(backend="gloo"), self.rank, self.world_size)
-
-    def teardown(self, finished: bool = True) -> None:
-        """`finished`: every rank got here normally, so they first wait for each other (rank 0 may still be
-        finishing a checkpoint save); a rank that tears down while another still uses the group can abort in
-        gloo. After an error the others may be gone: no barrier, which would hang."""
-        if self.dist.is_initialized():
-            if finished:
-                self.dist.barrier()
-            self.dist.destroy_process_group()
+def join(group: ProcessGroup, parallel_cfg: Any, requested: str, offload: bool) -> torch.device:
+    """This rank's device (the local rank's GPU, or the CPU), set as the current one, its threads (processes sharing
+    a CPU must not oversubscribe its cores), and the default process group joined on it. Returns the device."""
+    device = pick_device(requested, group.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.local_world_size))
+    group.join(parallel_cfg.backend or default_backend(device, offload=offload), parallel_cfg.timeout_s)
+    return device
 
 
-class GroupRanks:
-    """The ranks of one process group, with the object collectives a checkpoint's commit needs."""
-
-    def __init__(self, group: Any, rank: int, world_size: int) -> None:
-        import torch.distributed as dist
-
-        self.dist, self.group, self.rank, self.world_size = dist, group, rank, world_size
-
-    def gather_objects(self, obj: Any) -> list[Any]:
-        gathered: list[Any] = [None] * self.world_size
-        self.dist.all_gather_object(gathered, obj, group=self.group)
-        return gathered
-
-    def broadcast_object(self, obj: Any) -> Any:
-        holder = [obj]
-        self.dist.broadcast_object_list(holder, src=0, group=self.group)
-        return holder[0]
-
-
-class FSDPStrategy(DDPStrategy):
-    """DDP's processes, group and reductions, with the model fully sharded (FSDP2's `fully_shard`): each rank
-    keeps 1/world_size of every parameter, gradient and optimizer state, gathers a unit's weights for its
-    forward and backward, and reduce-scatters its gradients. The optimizer is built on the sharded parameters
-    (DTensors), so it steps on the local shard only."""
+class FSDPStrategy(Strategy):
+    """DDP's processes and reductions, with the model fully sharded (FSDP2's `fully_shard`): each rank keeps
+    1/world_size of every parameter, gradient and optimizer state, gathers a unit's weights for its forward and
+    backward, and reduce-scatters its gradients. The optimizer is built on the sharded parameters (DTensors), so it
+    steps on the local shard only."""
 
     name = "fsdp"
     sharded = True
     collective_forward = True
 
     def __init__(self, parallel_cfg: Any, device: str) -> None:
-        super().__init__(parallel_cfg, device)
         from torch.distributed.device_mesh import init_device_mesh
+
+        self.group = ProcessGroup()
+        self.device = join(self.group, parallel_cfg, device, offload=parallel_cfg.cpu_offload)
 
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         self.shard_types = module_classes(parallel_cfg.shard_modules, "parallel.shard_modules")
@@ -318,7 +259,7 @@ class FSDPStrategy(DDPStrategy):
         with torch.no_grad():
             for buffer in model.buffers():
                 if not isinstance(buffer, DTensor):
-                    self.dist.broadcast(buffer, 0)
+                    self.group.broadcast_from_rank_zero(buffer)
         return model
 
 
@@ -401,26 +342,6 @@ def module_classes(names: Any, key: str) -> Optional[tuple[type, ...]]:
     return tuple(found)
 
 
-def _elastic_attempt_store(timeout: datetime.timedelta, world_size: int) -> Optional[Any]:
-    """Where a store is served for the workers (torchrun's agent, or launch.spawn's parent), the store for this
-    attempt only; None: init_process_group's own (env://).
-
-    torchrun's agent keeps one TCPStore for the whole job and its workers join it (TORCHELASTIC_USE_AGENT_STORE)
-    without a per-attempt prefix. After a restart, a new rank 1 could read the key the killed rank 0 had published
-    and connect to a dead address: gloo's full-mesh connect failed or hung (pytorch/pytorch#135712). Keys under
-    `attempt-<restart count>` keep the attempts apart. The count is the agent's own, the same for every worker of
-    a single-node job; across nodes it is not (each agent counts its own restarts), so there torch's workaround,
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per attempt), is what the README recommends."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
-        return None
-    import torch.distributed as dist
-
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
-    )
-    return dist.PrefixStore(f"framework/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-
-
 def build_strategy(parallel_cfg: Any, device: str) -> Strategy:
     if parallel_cfg.strategy in ("ddp", "fsdp"):
         name = getattr(parallel_cfg.strategy, "value", parallel_cfg.strategy)
@@ -440,4 +361,4 @@ def build_strategy(parallel_cfg: Any, device: str) -> Strategy:
         # device otherwise go to (and open a context on) cuda:0.
         chosen = torch.device("cuda", torch.cuda.current_device() if chosen.index is None else chosen.index)
         torch.cuda.set_device(chosen)
-    return Strategy(chosen)
+    return SingleDevice(chosen)

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, open_dict
 
+from framework.callbacks import task_hooks
 from framework.checkpoint import Checkpoint, DamagedCheckpoint, check_compatible, find_latest, open_checkpoint
 from framework.core.errors import ConfigError
 from framework.core.files import write_json
@@ -26,7 +27,6 @@ from framework.loop.hooks import Hooks
 from framework.loop.preflight import check_first_batches
 from framework.loop.run import Run, assemble
 from framework.observe.summary import print_summary
-from framework.task import hooks as task_hooks
 
 log = logging.getLogger(__name__)
 SPLITS = {"validate": "val", "test": "test"}  # the split each evaluating stage reads

@@ -28,13 +28,13 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, open_dict
 
+from framework.callbacks import task_hooks
 from framework.core import reproducibility
 from framework.core.files import write_json
 from framework.loop.evaluate import move_to
 from framework.loop.preflight import check_first_batches
 from framework.loop.run import Run, assemble
 from framework.observe.summary import SUMMARY_LOGGER
-from framework.task import hooks as task_hooks
 from framework.task.task import StepOutput, as_step_output, swapped
 
 log = logging.getLogger(__name__)

@@ -12,6 +12,7 @@ from typing import Any, Optional, Sized, cast
 import torch
 from omegaconf import DictConfig
 
+from framework.callbacks import task_hooks
 from framework.checkpoint import Checkpoint
 from framework.config.instantiate import FULL_ERROR_HINT, build, error_line
 from framework.core.errors import ConfigError, UserError
@@ -21,7 +22,6 @@ from framework.loop.run import Run, assemble
 from framework.observe.summary import print_summary
 from framework.stages.evaluate import load_weights, stage_summary
 from framework.stages.predictions import PredictionWriter, merge
-from framework.task import hooks as task_hooks
 from framework.task.describe import describe
 from framework.task.task import step_function
 

@@ -8,13 +8,22 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from omegaconf import DictConfig
 
 from framework.callbacks.base import CallbackList
-from framework.checkpoint import Checkpoint, DamagedCheckpoint, check_compatible, open_checkpoint, validate_state
+from framework.checkpoint import (
+    Checkpoint,
+    CheckpointManager,
+    DamagedCheckpoint,
+    check_compatible,
+    open_checkpoint,
+    validate_state,
+)
 from framework.checkpoint.state import TrainingState
 from framework.core.errors import ConfigError
 from framework.optim.groups import apply_changed_options, changed_options, check_optimizer_state
+from framework.parallel.strategy import Strategy
 
 log = logging.getLogger(__name__)
 
