@@ -15,14 +15,12 @@ Each point is logged at the trainer's step (`Run.log(..., step=)`), so W&B's x-a
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from omegaconf import DictConfig
 
 from framework.core import files
-from framework.core.compat import wandb_records as records
 from framework.observe.tracked import TrackedRun, flat_values
 
 
@@ -56,10 +54,10 @@ class WandbTracker:
         where = Path(settings.dir) if settings.dir else run.run_dir
         where.mkdir(parents=True, exist_ok=True)
         kept = run.record().get("wandb", {})
-        self.sent: dict[str, int] = {}  # metric -> the last step the killed run's files hold (a resumed run's)
-        if kept.get("run_id") and kept.get("dir") == str(where):
-            self.sent = held_after(where, kept["run_id"], run.resume_step or 0)
-        else:  # a new W&B run: W&B picks its ID
+        # A resumed run continues the same W&B run and logs again the steps after its checkpoint that the killed run
+        # may have logged: W&B keeps the first point of a step (its server drops a step that does not increase),
+        # and a resume is bit-identical, so they are the same numbers. Nothing of W&B's own files is read back.
+        if not (kept.get("run_id") and kept.get("dir") == str(where)):  # a new W&B run: W&B picks its ID
             kept = {"run_id": None, "project": str(settings.project or run.name), "entity": settings.entity}
         kept = {**kept, "dir": str(where), "mode": str(settings.mode)}  # a resumed run may go online
         group = settings.group or (run.sweep_parent("wandb_sweep") or {}).get("group")
@@ -81,9 +79,6 @@ class WandbTracker:
         self.wb.save(str(path), base_path=self.wb.dir, policy="now")
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        sent = self.sent
-        if sent:
-            metrics = {k: v for k, v in metrics.items() if sent.get(k, -1) < step}
         if step != self._step:
             self._send()
             self._step = step
@@ -116,29 +111,3 @@ def finish_run(kept: Mapping[str, Any], summary: dict[str, Any]) -> None:
     files.write_json(path, summary)  # a NaN metric as null: JSON has no NaN
     wb.save(str(path), base_path=wb.dir, policy="now")
     wb.finish(exit_code=1 if summary.get("status") == "failed" else 0)
-
-
-def history(path: Path) -> Iterator[dict[str, Any]]:
-    """A `.wandb` file's logged rows, each with its `_step`."""
-    for record in records(path):
-        if record.WhichOneof("record_type") == "history":
-            yield {item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-
-
-def run_files(where: Path, run_id: str) -> list[Path]:
-    """The `.wandb` files of one run under `where/wandb` (one per start: the first, each resume), oldest first."""
-    found = (where / "wandb").glob(f"*run-*/run-{run_id}.wandb")  # offline-run-*, run-* (online); not latest-run
-    return sorted(path for path in found if not path.parent.is_symlink())
-
-
-def held_after(where: Path, run_id: str, step: int) -> dict[str, int]:
-    """The steps after `step` that the run's files already hold, per metric: logged by the run that was killed."""
-    held: dict[str, int] = {}
-    for path in run_files(where, run_id):
-        for row in history(path):
-            at: Optional[int] = row.get("_step")
-            if at is not None and at > step:
-                for key in row:
-                    if not key.startswith("_"):
-                        held[key] = max(held.get(key, -1), at)
-    return held
