@@ -325,3 +325,24 @@ def test_a_checkpoint_without_a_recorded_data_identity_resumes_and_records_it_fr
     line = one_error_line(run_cli(None, f"resume={run_dir}", "data.train.val_fraction=0.2", "trainer.max_steps=20",
                                   fast=False))
     assert "data.train.val_fraction=0.2" in line and "data.train.val_fraction=0.15" in line, line
+
+
+@pytest.mark.unit
+def test_a_saved_config_naming_a_module_that_moved_reads_as_naming_where_it_is_now():
+    """Checkpoints written before the framework's modules became packages name framework.shards.TarShards and
+    framework.metrics.Accuracy: they resume, their targets read as today's paths (framework/config/saved.py MOVED)."""
+    import types
+
+    from framework.config.instantiate import locate
+    from framework.config.saved import from_checkpoint
+
+    old = {"data": {"train": {"_target_": "framework.shards.TarShards", "shards": "x-{000000..000001}.tar"}},
+           "task": {"metrics": {"acc": {"_target_": "framework.metrics.Accuracy"}}},
+           "model": {"_target_": "framework.zoo.models.MLP"}}
+    checkpoint = types.SimpleNamespace(path=Path("ck"), meta={"config": old, "choices": {}})
+    saved = from_checkpoint(checkpoint)
+    assert saved.config["data"]["train"]["_target_"] == "framework.data.shards.TarShards"
+    assert saved.values["task"]["metrics"]["acc"]["_target_"] == "framework.task.metrics.Accuracy"
+    assert saved.config["model"]["_target_"] == "framework.zoo.models.MLP"
+    for target in ("framework.data.shards.TarShards", "framework.task.metrics.Accuracy"):
+        assert locate(target, "_target_") is not None

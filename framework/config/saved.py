@@ -36,6 +36,30 @@ MAX_RECORD_BYTES = 64 * 2**20  # a run's record larger than this is not one
 
 
 # ---------------------------------------------------------------------------------------------- config
+# Where what a config names moved since a checkpoint was written (the framework's modules became packages): a saved
+# config naming the old path is read as naming the new one, so that runs saved by an earlier version still resume.
+MOVED = {
+    "framework.shards.": "framework.data.shards.",
+    "framework.streaming.": "framework.data.streaming.",
+    "framework.folds.": "framework.data.folds.",
+    "framework.metrics.": "framework.task.metrics.",
+    "framework.callbacks.": "framework.callbacks.",  # (unchanged: the package re-exports its callbacks)
+}
+
+
+def moved(value: Any) -> Any:
+    """A saved config with every name a module path that moved, as it reads today (see MOVED)."""
+    if isinstance(value, dict):
+        return {k: moved(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [moved(v) for v in value]
+    if isinstance(value, str):
+        for old, new in MOVED.items():
+            if value.startswith(old):
+                return new + value[len(old) :]
+    return value
+
+
 def as_data(value: Any) -> Any:
     """A saved (resolved) value as literal data: a `${...}` inside it must not become an interpolation."""
     if isinstance(value, dict):
@@ -119,6 +143,7 @@ def from_checkpoint(checkpoint: Any) -> SavedRun:
             f"{where}: the checkpoint's saved config is not a mapping of keys; expected the "
             "config written by this framework"
         )
+    saved = moved(saved)
     run = SavedRun(str(checkpoint.path), checkpoint.path, as_data(saved), saved, saved_choices(checkpoint), True)
     run.interpolations = _saved_interpolations(checkpoint.meta.get("interpolations"))
     return run
@@ -141,6 +166,7 @@ def from_hydra_record(resume: str, run_dir: Path) -> SavedRun:
             f"resume={resume!r}: {path} is not a mapping of keys; expected the config Hydra saved "
             "for the run, or a new run in another directory"
         )
+    config = moved(config)
     try:  # its `${...}` resolved as in this job (the same run directory), only to list what changes
         values: Any = OmegaConf.to_container(OmegaConf.create(config), resolve=True, enum_to_str=True)
     except Exception:  # noqa: BLE001  (an unresolvable value is reported by the app's own check)

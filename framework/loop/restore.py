@@ -21,6 +21,7 @@ from framework.checkpoint import (
     validate_state,
 )
 from framework.checkpoint.state import TrainingState
+from framework.config.saved import from_checkpoint
 from framework.core.errors import ConfigError
 from framework.optim.groups import apply_changed_options, changed_options, check_optimizer_state
 from framework.parallel.strategy import Strategy
@@ -52,7 +53,7 @@ def restore(
     weights = checkpoint.model_state(strategy.mesh)
     check_compatible(module, weights, where, strict=True)
     saved = checkpoint.state(strategy.mesh)
-    saved_cfg = checkpoint.meta["config"]
+    saved_cfg = from_checkpoint(checkpoint).values  # as this version reads it (framework/config/saved.py)
     same_schedule = (saved_cfg.get("scheduler") or {}).get("_target_") == cfg.scheduler.get("_target_")
     load_scheduler = same_schedule and isinstance(saved, dict) and bool(saved.get("scheduler"))
     skip = () if load_scheduler else ("scheduler",)  # scheduler= changed on resume: the new one starts fresh

@@ -42,11 +42,11 @@ from safetensors.torch import load_file, save
 from framework.checkpoint import META_FILE, MODEL_FILE, Checkpoint, check_compatible, open_checkpoint
 from framework.checkpoint.discovery import holds_run
 from framework.config.instantiate import build, error_line
-from framework.config.saved import as_data
+from framework.config.saved import from_checkpoint
 from framework.config.trees import framework_conf_dir
 from framework.config.trust import check_saved_targets, conf_targets
 from framework.core import files
-from framework.core.errors import UserError
+from framework.core.errors import ConfigError, UserError
 from framework.stages import export_onnx
 from framework.stages.export_example import Example, batches_to_check, example_input
 
@@ -87,13 +87,16 @@ def saved_config(
     unless `trust`, their targets must be ones the project's config tree (`conf_dir`, default ./conf), the
     framework's, the framework's package or the project's packages name (as on resume); only what is built is
     checked, so a node export does not build cannot stop it."""
-    saved = checkpoint.meta["config"]
-    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+    try:
+        saved = from_checkpoint(checkpoint).config  # the one reader of a saved config (framework/config/saved.py)
+    except ConfigError as err:
+        raise UserError(str(err)) from None
+    if not isinstance(saved.get("model"), dict):
         raise UserError(
             f"checkpoint {checkpoint.path}: its saved config has no model node; expected the config "
             "written by this framework"
         )
-    cfg = OmegaConf.create(as_data({key: saved[key] for key in (*nodes, "seed") if saved.get(key) is not None}))
+    cfg = OmegaConf.create({key: saved[key] for key in (*nodes, "seed") if saved.get(key) is not None})
     if not trust:
         project = Path.cwd()
         trees = [conf_dir or project / "conf", framework_conf_dir()]
