@@ -7,14 +7,17 @@ where they apply. A module's `pytestmark` gives its tests' tier; a test's own `@
 `@pytest.mark.e2e` replaces it. A test with no tier is a collection error, so a new test cannot fall outside both,
 and a unit test that starts a process fails.
 
-Helpers: run the real CLI in a process of its own (forked from a warm interpreter that has imported torch and
-Hydra already: tests/warmstart.py) and read its one error line, compose configs in-process, read
+Helpers: run the CLI's runs in this process through the Python API (framework.app.api), or in a process of its own
+where the process is under test, and read its one error line; compose configs in-process; read
 TensorBoard events and checkpoints, write small datasets in their official on-disk formats. Test modules import
 them from here, never from each other."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
+import io
+import logging
 import hashlib
 import json
 import os
@@ -31,7 +34,6 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 from PIL import Image
-from warmstart import WarmStarter
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -42,21 +44,65 @@ FAST = ("logger.progress_bar=false", "trainer.max_epochs=2")
 
 def run_cli(run_dir: Path | None, *overrides: str, timeout: float = 180, env: dict[str, str] | None = None,
             fast: bool = True) -> subprocess.CompletedProcess:
-    """Run `python run.py` like a user would, with its run directory at `run_dir` (None: let the config
-    choose, as for resume=RUN_DIR)."""
+    """`python run.py OVERRIDES` as a user runs it, with its run directory at `run_dir` (None: let the config choose,
+    as for resume=RUN_DIR), as a finished process: returncode, stdout (the closing summary) and stderr (the rest, an
+    error line last). In this process, through the Python API (framework.app.api), unless the run needs a process of
+    its own: environment variables to set (a kill hook, a tracker's), a multirun, spawned workers (ddp, fsdp), or the
+    command line's own options (--cfg, -cd)."""
     where = [f"hydra.run.dir={run_dir}"] if run_dir is not None else []
-    args = [sys.executable, str(ROOT / "run.py"), *where, *(FAST if fast else ()), *overrides]
-    return run_process(args, env=env, timeout=timeout)
+    args = [*where, *(FAST if fast else ()), *overrides]
+    if env is not None or any(_needs_a_process(arg) for arg in args):
+        return run_process([sys.executable, str(ROOT / "run.py"), *args], env=env, timeout=timeout)
+    return run_in_process(args)
+
+
+def _needs_a_process(arg: str) -> bool:
+    return arg.startswith("-") or arg.replace(" ", "") in ("parallel=ddp", "parallel=fsdp") or arg.startswith(
+        ("experiment=lm_fsdp",)
+    )
+
+
+def run_in_process(args: list[str]) -> subprocess.CompletedProcess:
+    """The run through framework.app.api.run, its console captured as the command line prints it: the closing summary
+    (logger framework.summary) as stdout, every other line as stderr, a mistake as its `Error: ` line and code 1."""
+    from framework.app import api
+    from framework.core.errors import Interrupted, UserError
+
+    out, err = io.StringIO(), io.StringIO()
+    summary, console = _StreamHandler(out), _StreamHandler(err)
+    console.addFilter(lambda record: not record.name.startswith("framework.summary"))
+    root, summary_log = logging.getLogger(), logging.getLogger("framework.summary")
+    root.addHandler(console)
+    summary_log.addHandler(summary)
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out):
+            api.run(args)
+    except Interrupted as stopped:
+        err.write(f"{stopped}\n")
+        code = 128 + stopped.signum
+    except UserError as mistake:
+        err.write(f"Error: {mistake}\n")
+        code = 1
+    finally:
+        root.removeHandler(console)
+        summary_log.removeHandler(summary)
+    return subprocess.CompletedProcess(["run.py", *args], code, out.getvalue(), err.getvalue())
+
+
+class _StreamHandler(logging.StreamHandler):
+    """A console of the command line's: the message alone (conf/hydra/job_logging/framework.yaml's format)."""
+
+    def __init__(self, stream: io.StringIO) -> None:
+        super().__init__(stream)
+        self.setFormatter(logging.Formatter("%(message)s"))
 
 
 def run_process(args: list[str], *, cwd: Path = ROOT, env: dict[str, str] | None = None,
                 timeout: float = 180) -> subprocess.CompletedProcess:
-    """`subprocess.run(args, capture_output=True, text=True)` in run_env() updated with `env`: a Python script or
-    module (`python SCRIPT ...`, `python -m MODULE ...`) forked from the warm process, anything else (`-c`, other
-    programs) started fresh."""
+    """`subprocess.run(args, capture_output=True, text=True)` in run_env() updated with `env`: a real process, for
+    what the process itself is under test."""
     full_env = {**run_env(), **(env or {})}
-    if len(args) > 1 and args[0] == sys.executable and (args[1].endswith(".py") or args[1] == "-m" and len(args) > 2):
-        return warm_starter().run(args, cwd=cwd, env=full_env, timeout=timeout)
     return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
@@ -75,19 +121,7 @@ def run_env() -> dict[str, str]:
 # This pytest process's scratch folder for what runs would otherwise leave in the checkout; removed at its end.
 SCRATCH = Path(tempfile.mkdtemp(prefix="htf-tests-"))
 atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
-
-
-_WARM: list[WarmStarter] = []
-
-
-def warm_starter() -> WarmStarter:
-    """This pytest process's warm process (tests/warmstart.py), started at its first run and ended with it: each
-    run is a real process forked from it, which skips the ~3 CPU-s of imports every `python run.py` pays, and so
-    are the DDP and FSDP workers it spawns (~2 CPU-s each)."""
-    if not _WARM:
-        _WARM.append(WarmStarter(run_env()))
-        atexit.register(_WARM[0].close)
-    return _WARM[0]
+os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{SCRATCH / 'mlflow.db'}")  # (the runs in this process)
 
 
 def output(proc: subprocess.CompletedProcess) -> str:

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.e2e,
 STEPS = r"""
 import resource, statistics, sys
 import torch
-from framework import allocator
+from framework.parallel import allocator
 applied = allocator.keep_freed_memory() if sys.argv[1] == "tuned" else None
 sizes = [(1 << 20) * k for k in (2, 8, 4, 16, 3, 12, 6, 1)]
 

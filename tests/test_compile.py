@@ -126,7 +126,7 @@ def test_a_compiled_run_killed_midway_resumes_bit_identical_and_loads_uncompiled
     (tmp_path / "plain").mkdir()
     plain = Trainer(compose(*common), tmp_path / "plain", resume_from=open_checkpoint(tmp_path / "whole" /
                                                                                         "checkpoints" / "step-4"))
-    assert not hasattr(plain.module, "_compiled_call_impl") or plain.module._compiled_call_impl is None
+    assert not hasattr(plain.run.module, "_compiled_call_impl") or plain.run.module._compiled_call_impl is None
     assert plain.fit()["step"] == 8  # (its dropout draws eager's random numbers, not inductor's: no comparison)
     (tmp_path / "val").mkdir()
     last = open_checkpoint(tmp_path / "whole" / "checkpoints" / "last")
@@ -139,7 +139,7 @@ def test_a_compiled_run_killed_midway_resumes_bit_identical_and_loads_uncompiled
     torch.compiler.reset()
     back = Trainer(compose(*compiled, f"init_from={tmp_path / 'plain' / 'checkpoints' / 'last'}",
                            "trainer.max_steps=1"), tmp_path / "back")
-    loaded = back.module.state_dict()
+    loaded = back.run.module.state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in open_checkpoint(tmp_path / "plain" / "checkpoints" /
                                                                        "last").model_state().items())
     assert back.fit()["compile"]["compilations"] >= 1

@@ -243,7 +243,7 @@ def test_a_run_whose_data_files_are_gone_and_no_example_input_array_is_one_error
 
 
 WITHOUT_ONNXSCRIPT = ("import sys; sys.modules['onnxscript'] = None  # import onnxscript raises ImportError\n"
-                      "from framework import export; sys.exit(export.main(sys.argv[1:]))")
+                      "from framework.stages import export; sys.exit(export.main(sys.argv[1:]))")
 
 
 def test_without_the_export_extra_asking_for_onnx_is_one_line_and_the_default_skips_it(run_dir, tmp_path):

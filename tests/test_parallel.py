@@ -76,7 +76,7 @@ def test_two_processes_with_batch_b_match_one_process_with_batch_2b(compose, tmp
     ddp = run_ddp(job_cfg(compose, "parallel=ddp", "data.batch_size=32", *common), tmp_path / "ddp")
     single = Trainer(job_cfg(compose, "data.batch_size=64", *common), tmp_path / "single")
     single.fit()
-    expected = single.task.model.state_dict()
+    expected = single.run.task.model.state_dict()
     assert set(ddp) == set(expected)  # unwrapped: no `module.` prefix
     for name, value in expected.items():
         torch.testing.assert_close(ddp[name], value, rtol=1e-5, atol=1e-6)
@@ -88,9 +88,9 @@ def test_validation_metrics_are_exact_over_uneven_shards(compose, tmp_path):
     weights = run_ddp(job_cfg(compose, "parallel=ddp", *shape), tmp_path / "ddp")
     reported = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     single = Trainer(job_cfg(compose, *shape), tmp_path / "single")
-    assert len(single.data.datasets["val"]) == 271
-    single.task.model.load_state_dict(weights)
-    local = single.evaluator.run("val", 0)
+    assert len(single.run.data.datasets["val"]) == 271
+    single.run.task.model.load_state_dict(weights)
+    local = single.run.evaluator.run("val", 0)
     assert reported["val/acc"] == pytest.approx(local["val/acc"], abs=1e-7)
     assert reported["val/loss"] == pytest.approx(local["val/loss"], rel=1e-5)
     assert reported["world_size"] == 2

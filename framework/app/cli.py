@@ -49,7 +49,8 @@ from framework.core import signals, startup
 from framework.core.errors import FORCED_FULL_ERROR, full_error
 
 _FRAMEWORK_DIR = str(Path(__file__).resolve().parents[1]) + os.sep  # the framework package
-_HYDRAS_SIDE = {__file__}  # its frames in a traceback are Hydra's composing (FrameworkConfigs), not our code's
+# Their frames in a traceback are Hydra's composing (FrameworkConfigs, the API's compose), not our code's.
+_HYDRAS_SIDE = {__file__, str(Path(__file__).with_name("api.py"))}
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 _CONFIG_DIR, _CONFIG_PATH, _CONFIG_NAME = ("--config-dir", "-cd"), ("--config-path", "-cp"), ("--config-name", "-cn")
 
@@ -82,7 +83,7 @@ def _main() -> None:
         sys.path.insert(0, os.getcwd())
     register()  # the structured-config schemas the framework's tree is composed against
     Plugins.instance().register(FrameworkConfigs)
-    sys.argv = _with_stage(sys.argv)
+    sys.argv = with_stage(sys.argv)
     sys.argv, trees = _user_tree(sys.argv)
     sys.argv += launch.rank_zero_only_overrides()  # under torchrun: one run directory, from rank 0
     name = _option(sys.argv[1:], _CONFIG_NAME) or "config"
@@ -104,7 +105,7 @@ class FrameworkConfigs(SearchPathPlugin):
             search_path.append("framework", tree)
 
 
-def _with_stage(argv: list[str]) -> list[str]:
+def with_stage(argv: list[str]) -> list[str]:
     """LightningCLI's subcommand (`python run.py test ckpt=RUN_DIR`, also after Hydra's options: `-m test`): the
     override `stage=test`. A bare word is never an override, so only an option's value (`-cn test`) is not one.
     Without one the stage is the config's (`fit`)."""

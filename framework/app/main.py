@@ -97,7 +97,8 @@ def _reads_root(node: Any) -> bool:
 
 
 def main(cfg: DictConfig) -> Any:
-    """Run the job and return its objective (for sweepers such as Optuna): the monitored metric.
+    """The command line's job (Hydra's task function): run it and return its objective (for sweepers such as
+    Optuna), the monitored metric.
 
     A `UserError` becomes one `Error: ...` line and exit code 1 (HYDRA_FULL_ERROR=1 re-raises); a run refused
     before it started leaves no trace in `outputs/`. In a multirun no job may end the sweep: any failure is
@@ -105,9 +106,8 @@ def main(cfg: DictConfig) -> Any:
     non-zero at the end)."""
     if HydraConfig.get().mode == RunMode.MULTIRUN and not full_error():
         return _sweep_job(cfg)
-    started: list[bool] = []
     try:
-        return _run(cfg, started)
+        return objective(cfg, run_job(cfg))
     except Interrupted as err:  # stopped on a signal after saving: not an error, but not finished either
         log.warning("%s", err)
         _requeue(cfg, err)
@@ -115,7 +115,6 @@ def main(cfg: DictConfig) -> Any:
     except UserError as err:
         if full_error():
             raise
-        _discard_attempt(started=bool(started))
         log.error("Error: %s", err)
         sys.exit(1)
     except WorkerFailed as err:  # a bug in a spawned worker: its traceback is the useful part
@@ -124,13 +123,34 @@ def main(cfg: DictConfig) -> Any:
     except OSError as err:  # a full disk, a folder it cannot write: the path, in one line; the traceback in run.log
         if full_error():
             raise
-        file_only("".join(traceback.format_exception(err)).rstrip())
-        _discard_attempt(started=bool(started))
         log.error("Error: %s", os_error_line(err))
         sys.exit(1)
     except KeyboardInterrupt:
         log.error("Interrupted.")
         sys.exit(130)
+
+
+def run_job(cfg: DictConfig) -> dict[str, Any]:
+    """One job in this process, on the config Hydra composed for it (HydraConfig set): validate, settle the config,
+    run the stage; its summary (summary.json's contents; {} for a dry run). A user's mistake is a UserError, an
+    unwritable file an OSError (its traceback in run.log); either way, an attempt refused before it started leaves
+    nothing behind. The command line (`main`) and the Python API (framework/app/api.py) share it."""
+    started: list[bool] = []
+    try:
+        return _run(cfg, started)
+    except Interrupted:
+        raise
+    except (UserError, OSError) as err:
+        if isinstance(err, OSError):
+            file_only("".join(traceback.format_exception(err)).rstrip())
+        _discard_attempt(started=bool(started))
+        raise
+
+
+def objective(cfg: DictConfig, summary: dict[str, Any]) -> Optional[float]:
+    """What a sweeper optimizes: the monitored metric (val/acc without a monitor); None where the run has none."""
+    value = summary.get(OmegaConf.select(cfg, "checkpoint.monitor") or "val/acc")
+    return value if isinstance(value, (int, float)) else None
 
 
 def _requeue(cfg: DictConfig, err: Interrupted) -> None:
@@ -150,13 +170,12 @@ def _discard_attempt(started: bool) -> None:
         )  # a new directory's provenance goes with it
 
 
-def _run(cfg: DictConfig, started: Optional[list[bool]] = None) -> Optional[float]:
+def _run(cfg: DictConfig, started: Optional[list[bool]] = None) -> dict[str, Any]:
     """Validate, settle the config (a resumed run's is its checkpoint's), lock the run directory, train; after a
     fast_dev_run, remove what it wrote. `started` gets an item once training is handed over (a later failure is
     no longer "refused at start")."""
     if cfg.get("stage", "fit") not in ("fit", "lr_find"):  # lr_find starts a run of its own, as fit does
-        _evaluate(cfg)
-        return None
+        return _evaluate(cfg)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
@@ -176,7 +195,7 @@ def _run(cfg: DictConfig, started: Optional[list[bool]] = None) -> Optional[floa
         cfg, summary = _train(cfg, run_dir, hydra_cfg, started, in_place=in_place, asked=asked, held=held)
     if rank_zero and cfg.trainer.fast_dev_run and not multirun:  # a check of the code, not a run: keep nothing
         rundir.discard_dev_run(run_dir, before)
-    return summary.get(cfg.checkpoint.monitor or "val/acc")
+    return summary
 
 
 def _evaluate(fresh: DictConfig) -> dict[str, Any]:
@@ -372,11 +391,11 @@ def _sweep_job(cfg: DictConfig) -> float:
     started: list[bool] = []
     try:
         with _platform_start_method():
-            objective = _run(cfg, started)
+            found = objective(cfg, _run(cfg, started))
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         if cfg.trainer.dry_run and not (run_dir / "summary.json").is_file():  # built, checked, not trained
             _write_summary(run_dir, {"status": DRY_RUN, "seconds": round(time.perf_counter() - start, 3)})
-        return float("nan") if objective is None else objective
+        return float("nan") if found is None else found
     except Interrupted as err:  # saved on a signal: requeued (submitit exits here), or reported as interrupted
         return _interrupted_job(cfg, err, start)
     except SystemExit as err:

@@ -76,7 +76,14 @@ def continues_in_place(multirun: bool, run_dir: Path) -> bool:
     return multirun or (job_identity() is not None and run_dir.name == job_identity())
 
 
-_subdirs: dict[tuple[Optional[str], str], str] = {}  # the first answer per run: Hydra resolves it again later
+# The first answer per run directory, for this invocation: Hydra resolves the subdir again once it has written
+# `.hydra/` there (which then holds a run). A new invocation in the same process (framework/app/api.py) forgets them.
+_subdirs: dict[tuple[Optional[str], str], str] = {}
+
+
+def new_invocation() -> None:
+    """A new command (a run of the Python API) decides its `.hydra/` subdir afresh."""
+    _subdirs.clear()
 
 
 def hydra_subdir_resolver(resume: Optional[str], run_dir: str, *, _root_: DictConfig) -> str:

@@ -22,8 +22,8 @@ import signal
 
 
 def _parent() -> int:
-    """The process that started this one: a spawned worker's is multiprocessing's record of it (the tests fork
-    workers from a warm process, tests/warmstart.py, whose helper is their OS parent); torchrun's agent otherwise."""
+    """The process that started this one: a spawned worker's is multiprocessing's record of it (run.py's process);
+    torchrun's agent otherwise."""
     import multiprocessing
 
     parent = multiprocessing.parent_process()
