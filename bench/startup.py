@@ -1,7 +1,9 @@
-"""Start-up of `python run.py`: the time from the end of `import torch` to the first optimizer step.
+"""Start-up of `python run.py`: the time from the end of `import torch` to the first optimizer step; and, with
+`--whole`, a whole process as a user waits for it.
 
     python bench/startup.py                 # 5 fresh processes of each kind, default run
     python bench/startup.py --reps 9 model=cnn
+    python bench/startup.py --whole         # command to exit: experiment=bench, 300 steps, vs the hand-written loop
 
 Each repetition starts three fresh Python processes, in a rotating order:
 - `run`:         `run.py` with the given overrides (default: none, i.e. the default experiment); a global
@@ -33,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,6 +121,43 @@ report()
 """
 
 
+# --whole: the hand-written loop of bench/handwritten.py (a DataLoader over the experiment=bench data, the same MLP and
+# SGD, TensorBoard's train/loss every 50 steps) for as many steps as run.py trains, as a program a user runs.
+HANDWRITTEN_WHOLE = r"""
+import sys
+sys.path.insert(0, "bench")
+import handwritten
+handwritten.dataloader_loop(int(sys.argv[1]), sys.argv[2])
+"""
+
+
+def whole(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Seconds from the command to its exit (what a user waits for): `python run.py experiment=bench
+    trainer.max_steps=N` against the hand-written loop doing the same N steps, alternated, each a fresh process."""
+    times: dict[str, list[float]] = {"run": [], "handwritten": []}
+    with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
+        for rep in range(args.reps):
+            commands = {
+                "run": [sys.executable, "run.py", "experiment=bench", f"trainer.max_steps={args.steps}",
+                        f"hydra.run.dir={Path(tmp) / f'run{rep}'}", *args.overrides],
+                "handwritten": [sys.executable, "-c", HANDWRITTEN_WHOLE, str(args.steps), str(Path(tmp) / f"hw{rep}")],
+            }
+            for kind in (("run", "handwritten") if rep % 2 == 0 else ("handwritten", "run")):
+                start = time.perf_counter()
+                done = subprocess.run(commands[kind], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                times[kind].append(time.perf_counter() - start)
+                if done.returncode != 0:
+                    sys.exit(f"{kind} failed (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+            print(f"  rep {rep + 1}/{args.reps}: run.py {times['run'][-1]:.2f} s, hand-written "
+                  f"{times['handwritten'][-1]:.2f} s")
+    gap = statistics.median(r - h for r, h in zip(times["run"], times["handwritten"]))
+    print(f"\nmedian of {args.reps}, command to exit, {args.steps} steps of experiment=bench:")
+    print(f"  python run.py     {statistics.median(times['run']):6.2f} s")
+    print(f"  hand-written loop {statistics.median(times['handwritten']):6.2f} s")
+    print(f"  run.py minus hand-written (per repetition, then the median) {gap:6.2f} s   (target: <= 0.80)")
+    return times
+
+
 def measure(code: str, args: list[str]) -> dict[str, float]:
     proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
@@ -134,10 +174,16 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, float]]]:
     parser.add_argument("--source", action="store_true",
                         help="do not byte-compile the project first (with PYTHONDONTWRITEBYTECODE set, every "
                              "start then compiles its modules)")
+    parser.add_argument("--whole", action="store_true",
+                        help="time the whole process, command to exit, of experiment=bench against the hand-written "
+                             "loop doing the same steps (--steps)")
+    parser.add_argument("--steps", type=int, default=300, help="with --whole: the steps each trains (default 300)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for run.py (default: none)")
     args = parser.parse_args(argv)
     if not args.source:
         subprocess.run([sys.executable, "-m", "compileall", "-q", "framework", "experiments"], cwd=ROOT, check=True)
+    if args.whole:
+        return {kind: [{"seconds": t} for t in times] for kind, times in whole(args).items()}
     results: dict[str, list[dict[str, float]]] = {"run": [], "handwritten": [], "torch": []}
     kinds = list(results)
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
