@@ -33,7 +33,7 @@ def git(repo: Path, *args: str) -> str:
 
 def test_a_run_logs_its_closing_summary_to_run_log_and_records_its_provenance(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_cli(run_dir, *QUICK)
+    proc = run_cli(run_dir, *QUICK, process=True)  # the process's own command line is recorded
     assert proc.returncode == 0, output(proc)
     summary = proc.stdout.splitlines()[-4:]  # on stdout, plain, as print() wrote it
     assert summary[0].startswith("Done in ") and summary[-1].startswith("View it with:  tensorboard --logdir")

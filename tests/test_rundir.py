@@ -32,7 +32,7 @@ def test_a_second_process_cannot_write_into_a_directory_a_run_holds(tmp_path):
     assert run_cli(run_dir, *SHORT).returncode == 0
     before = fingerprint(run_dir)
     with RunDirLock(run_dir):  # this process plays the run that holds it
-        line = one_error_line(run_cli(None, f"resume={run_dir}", "trainer.max_steps=9", fast=False))
+        line = one_error_line(run_cli(None, f"resume={run_dir}", "trainer.max_steps=9", fast=False, process=True))
     assert f"PID {os.getpid()}" in line and "is already running this run" in line
     assert fingerprint(run_dir) == before
 

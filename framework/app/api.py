@@ -35,8 +35,11 @@ from framework.app import cli, main
 from framework.app.resume import argv_with_saved_choices, new_invocation
 from framework.config.schema import register
 from framework.config.trees import framework_conf_dir
-from framework.core.errors import ConfigError
+from framework.core.errors import ConfigError, Interrupted, os_error_line
 from framework.core.runlog import RunLogHandler
+from framework.observe.progress import file_only
+
+log = logging.getLogger(__name__)
 
 
 def compose(
@@ -61,7 +64,11 @@ def run(
     with _composing(config_dir):
         cfg = _compose(list(overrides), config_dir, config_name)
         loader = GlobalHydra.instance().config_loader()
-        done = run_job(_job, cfg, "hydra.run.dir", None, HydraContext(loader, _NoCallbacks()), False)  # type: ignore[arg-type]
+        context = HydraContext(loader, _NoCallbacks())  # type: ignore[arg-type]
+        try:
+            done = run_job(_job, cfg, "hydra.run.dir", None, context, False)
+        except OSError as err:  # Hydra could not make the run directory or write .hydra/ into it
+            raise ConfigError(cli.describe(err, list(overrides)) or str(err)) from None
     result = done.return_value
     if isinstance(result, _Failed):
         raise result.error
@@ -76,11 +83,20 @@ class _Failed:
 def _job(cfg: DictConfig) -> Any:
     """The job as Hydra runs it (its run directory made, `.hydra/` written, HydraConfig set), with its run.log. What
     it raises comes back as a value, raised by `run` (Hydra would log every failed job's overrides as an error)."""
-    with _run_log(Path(HydraConfig.get().runtime.output_dir)):
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    with _run_log(run_dir):
         try:
             return main.run_job(cfg)
         except Exception as err:  # noqa: BLE001  (raised again by `run`, as it was)
+            if (run_dir / "run.log").exists():  # a run that started keeps its record (a refused one left nothing)
+                stopped = isinstance(err, Interrupted)
+                level = logging.WARNING if stopped else logging.ERROR
+                file_only(f"{'' if stopped else 'Error: '}{_line(err)}", log, level)
             return _Failed(err)
+
+
+def _line(err: BaseException) -> str:
+    return os_error_line(err) if isinstance(err, OSError) else str(err)
 
 
 def _compose(overrides: list[str], config_dir: Optional[Path], config_name: str) -> DictConfig:
@@ -89,8 +105,8 @@ def _compose(overrides: list[str], config_dir: Optional[Path], config_name: str)
     argv = cli.with_stage(["api", *overrides])
     trees = [config_dir.absolute()] if config_dir is not None else []
     argv = argv_with_saved_choices(argv, [*trees, framework_conf_dir()], config_name)
-    try:
-        return hydra_compose(config_name, overrides=argv[1:], return_hydra_config=True)
+    try:  # hydra.mode as the command line sets it (recorded in .hydra/hydra.yaml)
+        return hydra_compose(config_name, overrides=[*argv[1:], "hydra.mode=RUN"], return_hydra_config=True)
     except Exception as err:  # noqa: BLE001  (re-raised unless it is a user's mistake Hydra found)
         message = cli.describe(err, argv[1:])
         if message is None:

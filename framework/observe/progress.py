@@ -20,9 +20,9 @@ from framework.core.runlog import file_handlers
 log = logging.getLogger(__name__)
 
 
-def file_only(message: str, logger: logging.Logger = log) -> None:
-    """An INFO record for the log files (run.log) but not the console: what the console shows another way."""
-    record = logger.makeRecord(logger.name, logging.INFO, __file__, 0, message, (), None)
+def file_only(message: str, logger: logging.Logger = log, level: int = logging.INFO) -> None:
+    """A record for the log files (run.log) but not the console: what the console shows another way."""
+    record = logger.makeRecord(logger.name, level, __file__, 0, message, (), None)
     for handler in file_handlers():
         handler.handle(record)
 
