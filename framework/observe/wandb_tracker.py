@@ -6,9 +6,9 @@ Offline by default (`logger.wandb.mode=online` sends to the server as it runs): 
 directory (`RUN_DIR/wandb/offline-run-*`, `wandb sync` uploads them later), so a run directory carries its W&B run
 wherever it is copied, and a resume finds the killed run's files. The run's ID is kept in trackers.json, so
 `resume=RUN_DIR` continues the same W&B run (`resume="allow"`; "must" needs the server). W&B cannot delete a point,
-and its `resume_from`/`fork_from` rewind is done by the server, so neither works offline: as the MLflow tracker
-does, a resumed run does not send again the steps the killed run's files already hold after the checkpoint (a
-resume is exact, so they are the values it would send); the series keeps one point per step.
+and its `resume_from`/`fork_from` rewind is done by the server, so neither works offline: a resumed run logs again
+the steps after its checkpoint, and W&B keeps a step's first point (a resume is exact, so both are the same value).
+None of W&B's own files is read back.
 
 Each point is logged at the trainer's step (`Run.log(..., step=)`), so W&B's x-axis is TensorBoard's.
 """

@@ -109,6 +109,6 @@ def _predict_source(cfg: DictConfig, run: Run) -> tuple[Any, int]:
     if not run.data.has("test"):
         raise ConfigError(
             "data.predict is not set and data.test is null: nothing to predict; expected a dataset node, e.g. "
-            "'+data.predict={_target_: framework.zoo.datasets.image_files, root: DIR}', or a data.test split"
+            "'+data.predict={_target_: framework.zoo.datasets.ImageFiles, root: DIR}', or a data.test split"
         )
     return "test", len(cast(Sized, run.data.datasets["test"]))
