@@ -54,7 +54,7 @@ COMMON = ("logger.progress_bar=false", "trainer.device=cpu", "trainer.max_steps=
           "trainer.test=false", "trainer.grad_clip_norm=1.0", "data.batch_size=4", "checkpoint.every_n_steps=6",
           "checkpoint.save_last=true", "checkpoint.keep_last=-1")
 # One thread per run: under pytest-xdist the runs already fill the cores, and oversubscribed OpenMP threads
-# spin (a ResNet-18 run takes four times as long).
+# spin (a ResNet-18 run takes four times as long). A run in the pytest process has one already (conftest.py).
 ENV = {"OMP_NUM_THREADS": "1"}
 # SIGTERM in the middle of the second epoch; the periodic checkpoint resumed from is in the middle of the second
 # epoch too (batch 8 of 10), so both resumed runs cross epoch ends (validation, epoch schedulers, callbacks).
@@ -116,8 +116,14 @@ def composed(*overrides: str) -> DictConfig:
         return compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
 
 
+def spawns(overrides: tuple[str, ...]) -> bool:
+    """Does the run spawn worker processes (DDP, FSDP)? Then it and its resume run in a process of their own, as
+    run.py, which forwards a signal to its workers (a resume's command line does not name the strategy)."""
+    return composed(overrides[0]).parallel.strategy in ("ddp", "fsdp")
+
+
 def uninterrupted_state(run_dir: Path, overrides: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    whole = run_cli(run_dir, *overrides, fast=False, env=ENV)
+    whole = run_cli(run_dir, *overrides, fast=False, process=spawns(overrides))
     assert whole.returncode == 0, output(whole)
     return final_state(run_dir)
 
@@ -149,7 +155,7 @@ def interrupted_and_resumed(run_dir: Path, overrides: tuple[str, ...], kill_at: 
     killed = run_cli(run_dir, *overrides, fast=False,
                      env={**ENV, "PYTHONPATH": pythonpath, "KILL_AT_STEP": str(kill_at), "KILL_SIGNAL": kill_signal})
     assert not (run_dir / "summary.json").exists(), f"not interrupted before its end:\n{output(killed)}"
-    resumed = run_cli(None, f"resume={run_dir}", fast=False, env=ENV)
+    resumed = run_cli(None, f"resume={run_dir}", fast=False, process=spawns(overrides))
     assert resumed.returncode == 0, output(resumed)
     return killed, resumed
 
@@ -203,7 +209,7 @@ def test_callback_state_survives_two_kills_at_random_steps_bit_exact(case, tmp_p
     overrides = ("logger.progress_bar=false", "trainer.device=cpu", "trainer.log_every_n_steps=5", "trainer.test=false",
                  "model.dropout=0.2", *KILLED_TWICE[case])
     whole = tmp_path / "whole"
-    assert run_cli(whole, *overrides, fast=False, env=ENV).returncode == 0
+    assert run_cli(whole, *overrides, fast=False).returncode == 0
     rng = random.Random(case)
     killed = tmp_path / "killed"
     pythonpath = on_pythonpath(KILLHOOK)
@@ -212,7 +218,7 @@ def test_callback_state_survives_two_kills_at_random_steps_bit_exact(case, tmp_p
         proc = run_cli(*run_args, fast=False, env={**ENV, "PYTHONPATH": pythonpath, "KILL_AT_STEP": str(kill_at),
                                                    "KILL_SIGNAL": "SIGKILL"})
         assert proc.returncode == -signal.SIGKILL, output(proc)
-    resumed = run_cli(None, f"resume={killed}", fast=False, env=ENV)
+    resumed = run_cli(None, f"resume={killed}", fast=False)
     assert resumed.returncode == 0, output(resumed)
     assert_identical(final_state(whole), final_state(killed))
     assert callback_values(killed) == callback_values(whole)
@@ -271,7 +277,8 @@ def test_every_conf_option_resumes_bit_exact_after_an_interruption(group, option
         summary = json.loads((tmp_path / "summary.json").read_text())
         assert summary["world_size"] == (2 if cfg.parallel.strategy in ("ddp", "fsdp") else 1), summary
     else:
-        resumed = run_cli(tmp_path, f"resume={whole_dir / 'checkpoints' / PERIODIC}", fast=False, env=ENV)
+        resumed = run_cli(tmp_path, f"resume={whole_dir / 'checkpoints' / PERIODIC}", fast=False,
+                          process=spawns(overrides))
         assert resumed.returncode == 0, output(resumed)
         assert resumed_step(resumed) == int(PERIODIC.split("-")[1])
         assert_identical(whole, final_state(tmp_path))

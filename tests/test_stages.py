@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, fingerprint, one_error_line, output, read_scalars, replace, run_cli, run_process
+from conftest import ROOT, fingerprint, one_error_line, output, read_scalars, replace, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -42,8 +42,7 @@ def summary(run_dir: Path) -> dict:
 
 
 def stage(stage_name: str, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return run_process([sys.executable, str(ROOT / "run.py"), stage_name, f"hydra.run.dir={run_dir}", *QUIET,
-                        *overrides], env={"OMP_NUM_THREADS": "1"})
+    return run_cli(run_dir, stage_name, *QUIET, *overrides, fast=False)
 
 
 def test_test_of_a_run_directory_prints_and_records_the_test_acc_the_run_tested(trained, tmp_path):
@@ -134,10 +133,7 @@ FAKE = ("{_target_: torchvision.datasets.FakeData, size: 5, image_size: [3, 8, 8
 def test_every_bad_ckpt_is_one_error_line_and_leaves_no_run_directory(trained, tmp_path, args, expected):
     args = tuple(a.replace("RUN", str(trained)) for a in args)
     expected = expected.replace("RUN", str(trained))
-    first, rest = (args[0], args[1:]) if args[0] in ("test", "validate", "predict") else ("", args)
-    command = [sys.executable, str(ROOT / "run.py"), *([first] if first else []), f"hydra.run.dir={tmp_path / 'x'}",
-               *QUIET, *rest]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    proc = run_cli(tmp_path / "x", *args, *QUIET, fast=False)
     assert one_error_line(proc).startswith(expected), output(proc)
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
 
@@ -254,10 +250,7 @@ class NestedOutput(__import__("framework.task", fromlist=["ClassificationTask"])
 
 
 def test_a_predict_step_output_parquet_cannot_hold_is_one_error_line(trained, tmp_path):
-    from conftest import TESTS, on_pythonpath
 
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "predict", f"hydra.run.dir={tmp_path / 'p'}", *QUIET,
-                           f"ckpt={trained}", "task._target_=test_stages.NestedOutput"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "PYTHONPATH": on_pythonpath(TESTS)})
+    proc = run_cli(tmp_path / "p", "predict", *QUIET, f"ckpt={trained}", "task._target_=test_stages.NestedOutput",
+                   fast=False)
     assert "scores" in one_error_line(proc), output(proc)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import TESTS, on_pythonpath, one_error_line, output, run_cli
+from conftest import one_error_line, output, run_cli
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -23,7 +23,6 @@ from framework.task.task import StepOutput, Task
 pytestmark = pytest.mark.e2e
 
 TINY = ("trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "trainer.test=false")
-ON_PATH = {"PYTHONPATH": on_pythonpath(TESTS)}  # so `test_validation.Triples` imports
 
 
 # ---------------------------------------------------------------- a user's own code, wrong in one way each
@@ -97,9 +96,9 @@ def plain_loss(output, target):  # unannotated: the config cannot tell it takes 
 
 # ---------------------------------------------------------------- helpers
 def fail(run_dir: Path, *overrides: str) -> str:
-    """Run with `overrides` (this module on PYTHONPATH); assert a user error's form (conftest.one_error_line) and
-    return its line."""
-    return one_error_line(run_cli(run_dir, *TINY, *overrides, env=ON_PATH))
+    """Run with `overrides` (in this process: `test_validation.Triples` imports from this module); assert a user
+    error's form (conftest.one_error_line) and return its line."""
+    return one_error_line(run_cli(run_dir, *TINY, *overrides))
 
 
 def case(*overrides: str, says: tuple[str, ...], id: str) -> Any:
