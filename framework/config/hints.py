@@ -63,7 +63,9 @@ LIGHTNING_NAMES: dict[str, Home] = {
     "precision": Home("precision.mode", "precision=bf16"),
     "logger": Home("logger.tensorboard", "the logger group"),
     "callbacks": Home("callbacks", "the callbacks group: callbacks=[default,ema]"),
-    "limit_predict_batches": _none("`python run.py predict ckpt=RUN_DIR` writes a row for every sample of data.predict (else the test split)"),
+    "limit_predict_batches": _none(
+        "`python run.py predict ckpt=RUN_DIR` writes a row for every sample of data.predict (else the test split)"
+    ),
     "val_check_interval": Home("trainer.val_every_n_steps", "every N optimizer steps"),
     "check_val_every_n_epoch": Home("trainer.val_every_n_epochs"),
     "num_sanity_val_steps": _none("the pre-flight check runs one batch of each split and leaves no trace in the task"),
