@@ -403,12 +403,12 @@ def pytest_configure(config: pytest.Config) -> None:
     import torch
 
     sys.addaudithook(_refuse_processes_in_unit_tests)
-    if hasattr(config, "workerinput"):  # a pytest-xdist worker: one of `-n` processes sharing the cores
-        # One intra-op thread each, as run_cli gives its runs: with torch's default of one per core, `-n 2` on two
-        # cores runs four, whose OpenMP threads spin (the unit tier took 69 s instead of 44 s). OMP_NUM_THREADS too:
-        # a run in this process (run_cli through the API) sets a thread count of its own where it is unset.
-        os.environ["OMP_NUM_THREADS"] = "1"
-        torch.set_num_threads(1)
+    # One intra-op thread, as run_cli gives its processes' runs: runs compared bit for bit (one in this process, its
+    # resume in another) must share their thread count, since a matmul's sums are ordered by it. Under `-n 2` on two
+    # cores, torch's default of one thread per core would also run four, whose OpenMP threads spin (the unit tier
+    # took 69 s instead of 44 s). OMP_NUM_THREADS too: a run in this process sets its own count where it is unset.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def _refuse_processes_in_unit_tests(event: str, args: tuple) -> None:

@@ -4,6 +4,7 @@ the CUSTOM SCALARS layout. Only rank 0 writes; other ranks get a disabled instan
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -28,6 +29,7 @@ class TensorBoardLogger:
         if self._writer is None and self.enabled:
             from torch.utils.tensorboard import SummaryWriter  # imported only when used: it is slow to import
 
+            _after_earlier_files(self.log_dir)
             self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=10, purge_step=self.purge_step)
         return self._writer
 
@@ -71,3 +73,15 @@ class TensorBoardLogger:
         if self._writer is not None:
             self._writer.close()
         self._writer, self.enabled = None, False
+
+
+def _after_earlier_files(log_dir: Path) -> None:
+    """Wait, if need be, for the second after the newest event file's: TensorBoard reads a directory's event files in
+    name order (`events.out.tfevents.<seconds>.<host>.<pid>...`), so a resume's file made within the same second as
+    the run it resumes could sort first by its pid, and the reader would then drop the earlier file's points as
+    out of order. Only a resume within a second of the earlier run's start (a fast test, an instant requeue) waits."""
+    stamps = [
+        int(p.name.split(".")[3]) for p in log_dir.glob("events.out.tfevents.*") if p.name.split(".")[3].isdigit()
+    ]
+    while stamps and int(time.time()) <= max(stamps):
+        time.sleep(0.05)
