@@ -241,7 +241,8 @@ def test_dry_run_prints_summary_groups_and_plan_without_training(compose, tmp_pa
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.run.task.parameters()))
     assert trainer.run.view.global_step == 0 and not (tmp_path / "summary.json").exists()
     text = caplog.text
-    assert "Linear" in text and "total params: 85,002" in text and "no_decay" in text and "LR plan" in text
+    assert "| model            | MLP" in text and "85,002    Total params" in text and "no_decay" in text
+    assert "LR plan" in text
 
 
 def test_resnet18_finetune_preset_puts_the_head_at_ten_times_the_backbone_lr(compose, tmp_path):

@@ -50,6 +50,10 @@ class TrainerConfig:
     overfit_batches: Union[int, float] = 0
     fast_dev_run: bool = False
     dry_run: bool = False
+    # Lightning's enable_model_summary: a table of the task's parameters by module at the start of every fit, its
+    # rows model_summary_max_depth levels down (Lightning's ModelSummary(max_depth); -1: every leaf module)
+    enable_model_summary: bool = True
+    model_summary_max_depth: int = 1
     test: bool = True
     # Which weights fit's test uses (Lightning's ckpt_path): best, last, or null (best when a monitored top-k
     # checkpoint is kept, else the final weights).

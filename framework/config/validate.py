@@ -211,6 +211,12 @@ def _check_trainer(t: DictConfig) -> None:
             "a duration DD:HH:MM:SS (e.g. 00:12:00:00, or HH:MM:SS) or a number of seconds > 0",
         )
     _require(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", t.log_every_n_steps, ">= 1")
+    _require(
+        t.model_summary_max_depth == -1 or t.model_summary_max_depth >= 1,
+        "trainer.model_summary_max_depth",
+        t.model_summary_max_depth,
+        ">= 1 (1: the task's children) or -1 (every leaf module); trainer.enable_model_summary=false turns it off",
+    )
     _require(t.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches", t.accumulate_grad_batches, ">= 1")
     _check_positive("trainer.grad_clip_norm", t.grad_clip_norm)
     _check_positive("trainer.grad_clip_value", t.grad_clip_value)

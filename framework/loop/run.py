@@ -23,13 +23,12 @@ from framework.core.errors import ConfigError
 from framework.data.module import DataCheck, DataModule, check_data
 from framework.data.streaming import StreamState
 from framework.loop.build import Components, build_components
-from framework.loop.evaluate import Evaluator, move_to
+from framework.loop.evaluate import Evaluator
 from framework.loop.restore import callbacks_check, optimizer_check, precision_check, restore
 from framework.loop.stop import Stop
 from framework.loop.view import RunView
 from framework.observe.logged import TrainLog
 from framework.observe.metric_logger import MetricLogger
-from framework.observe.model_summary import summarize
 from framework.observe.progress import ProgressBar
 from framework.observe.setup_report import describe_setup
 from framework.observe.tensorboard import TensorBoardLogger
@@ -333,12 +332,7 @@ def restore_into(run: Run, checkpoint: Checkpoint) -> Any:
 
 def report_setup(run: Run, charts: list[str]) -> None:
     """What a user checks before trusting the run (framework/observe/setup_report.py), then the trackers opened: a run
-    that keeps something is tracked from here on. The model summary's forward runs on every rank (a sharded
-    model's forward gathers weights from all of them)."""
-    summary = None
-    if run.cfg.trainer.dry_run:
-        batch = move_to(next(iter(run.data.batches("train"))), run.device)
-        summary = summarize(run.module, lambda: run.task.validation_step(batch))
+    that keeps something is tracked from here on."""
     if not run.strategy.is_rank_zero:
         return
     describe_setup(
@@ -350,7 +344,6 @@ def report_setup(run: Run, charts: list[str]) -> None:
         fresh=run.progress.step == 0,
         charts=charts,
         hparams=run.hparams,
-        model_summary=summary,
     )
     if not run.cfg.trainer.dry_run and not run.limits.fast_dev_run:  # runs that keep nothing are tracked nowhere
         resume_step = run.resume_from.step if run.resume_from is not None else None

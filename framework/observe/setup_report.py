@@ -1,18 +1,20 @@
 """What a user checks before trusting a run, written once it is built: the global batch, the parameter groups
-(`param_groups.json`), the LR plan, the config and TensorBoard's layout and HParams session (a fresh run only), and
-in a dry run the model summary. Printed and written by rank 0 only; the run opens its trackers once this is written
-(framework/loop/run.py, report_setup), so the LR plan, a TensorBoard chart, is not sent to them."""
+(`param_groups.json`), the model summary (on the console too, unless trainer.enable_model_summary=false), the LR
+plan, the config and TensorBoard's layout and HParams session (a fresh run only). Printed and written by rank 0 only;
+the run opens its trackers once this is written (framework/loop/run.py, report_setup), so the LR plan, a TensorBoard
+chart, is not sent to them."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from framework.core.files import write_json
 from framework.observe.layout import layout
+from framework.observe.model_summary import format_summary, summarize
 from framework.observe.progress import file_only
 from framework.optim.groups import describe_groups, format_groups
 from framework.optim.schedulers import lr_plan
@@ -33,7 +35,6 @@ def describe_setup(
     fresh: bool,
     charts: list[str],
     hparams: dict[str, Any],
-    model_summary: Optional[str],
 ) -> None:
     """`parts`: the run's Components; `charts`: the metrics TensorBoard's first screen shows."""
     dry_run = cfg.trainer.dry_run
@@ -49,6 +50,8 @@ def describe_setup(
         per_device * world_size * accumulate,
     )
     say("Parameter groups:\n%s", format_groups(parts.optimizer, parts.frozen))
+    if cfg.trainer.enable_model_summary:  # counted from the parameters: no forward pass, nothing to wait for
+        log.info("Model summary:\n%s", format_summary(summarize(parts.task, cfg.trainer.model_summary_max_depth)))
     plan = lr_plan(parts.scheduler, parts.optimizer, parts.steps_per_epoch) if parts.scheduler else {}
     write_json(run_dir / "param_groups.json", describe_groups(parts.optimizer))
     if fresh:  # a resumed run already logged these
@@ -59,8 +62,7 @@ def describe_setup(
         tensorboard.log_custom_scalars(layout(charts))
         if hparams:
             tensorboard.log_hparams(hparams, HPARAM_METRICS)
-    if model_summary is not None:
-        log.info("Model:\n%s", model_summary)
+    if dry_run:
         for name, points in plan.items():
             shown = [points[round(i * (len(points) - 1) / 10)] for i in range(11)]
             log.info("LR plan of group '%s' (step: lr): %s", name, ", ".join(f"{step}: {lr:.4g}" for step, lr in shown))
