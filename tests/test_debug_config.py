@@ -191,7 +191,8 @@ HINTS = [
     ("trainer.gradient_clip_algorithm=value", "trainer has no key 'gradient_clip_algorithm'; did you mean "
      "'trainer.grad_clip_value' (the key you set picks the algorithm)? "),
     ("+trainer.gradient_clip_algorithm=value", "did you mean 'trainer.grad_clip_value'"),
-    ("+trainer.enable_model_summary=true", "did you mean 'trainer.dry_run' (prints the model summary"),
+    ("+trainer.weights_summary=full", "did you mean 'trainer.model_summary_max_depth' (top is 1, full is -1; null is "
+     "trainer.enable_model_summary=false)? "),
     ("trainer.logger=false", "did you mean 'logger.tensorboard' (the logger group)? "),
     ("+trainer.benchmark=true", "Lightning's benchmark has no equivalent here: set torch.backends.cudnn.benchmark"),
     ("trainer.track_grad_norm=2", "did you mean 'callbacks.grad_norm'"),

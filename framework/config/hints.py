@@ -71,7 +71,6 @@ LIGHTNING_NAMES: dict[str, Home] = {
     "num_sanity_val_steps": _none("the pre-flight check runs one batch of each split and leaves no trace in the task"),
     "enable_checkpointing": _CHECKPOINTS_ON,
     "enable_progress_bar": Home("logger.progress_bar"),
-    "enable_model_summary": Home("trainer.dry_run", "prints the model summary, then exits without training"),
     "gradient_clip_val": Home("trainer.grad_clip_norm", "trainer.grad_clip_value clips by value"),
     "gradient_clip_algorithm": Home(
         "trainer.grad_clip_norm",
@@ -105,7 +104,9 @@ LIGHTNING_NAMES: dict[str, Home] = {
     "auto_scale_batch_size": _none("set data.batch_size; a sweep (-m) can try several"),
     "resume_from_checkpoint": Home("resume"),
     "checkpoint_callback": _CHECKPOINTS_ON,
-    "weights_summary": Home("trainer.dry_run", "prints the model summary, then exits without training"),
+    "weights_summary": Home(
+        "trainer.model_summary_max_depth", "top is 1, full is -1; null is trainer.enable_model_summary=false"
+    ),
     "weights_save_path": Home("hydra.run.dir", "checkpoints go to its checkpoints/"),
     "progress_bar_refresh_rate": Home(
         "logger.progress_bar", "logger.progress_every_s paces output that is not a terminal"
