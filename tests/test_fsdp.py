@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -59,6 +60,18 @@ def test_a_sharded_checkpoint_has_every_ranks_files_and_its_layout(whole):
     assert rank1["net.4.bias"].shape == (0,) and rank1["net.4.weight"].shape == (0, 32)
     assert meta["shards"]["state"]["/optimizer/state/0/exp_avg"]["lengths"] == [16, 16]  # Adam's state, sharded
     assert "/callbacks/ema/weights/net.1.weight" in meta["shards"]["state"]  # the EMA of the shards, too
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_model_summary_counts_every_shard_built_on_the_meta_device(whole):
+    """The run's model was built on the meta device (parallel.meta_init) and sharded: rank 0 holds about half of
+    each weight, but a DTensor's numel() is the whole parameter's, so the summary is the whole model's."""
+    whole_model = sum(p.numel() for p in MLP([1, 8, 8], 10, hidden=[32, 1], dropout=0.2).parameters())
+    log = (whole / "run.log").read_text()
+    assert log.count("Model summary:") == 1  # rank 0's
+    assert re.search(rf"^0 \| model +\| FSDPMLP +\| +{whole_model:,} \| +{whole_model:,}$", log, re.MULTILINE), log
+    assert re.search(rf"^{whole_model:,} +Total params$", log, re.MULTILINE), log
 
 
 @pytest.mark.slow
