@@ -25,6 +25,9 @@ def test_piped_output_is_one_informative_line_per_epoch_and_the_summary(tmp_path
     assert "\r" not in text  # no carriage-return spam in a log file
     # The epoch lines are log records (stderr), the summary is the result (stdout): `2>&1` keeps their order.
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    # First the model summary (tests/test_model_summary.py reads its table), ending with the size
+    assert lines[0] == "Model summary:", lines
+    lines = lines[1 + next(i for i, line in enumerate(lines) if line.endswith("model params size (MB)")):]
     assert len(lines) == 4 and all(EPOCH_LINE.match(line) for line in lines[:3]), lines
     assert [EPOCH_LINE.match(line).groups() for line in lines[:3]] == [("0", "20"), ("1", "40"), ("2", "60")]
     # then which weights the test takes (the default policy keeps a best by val/acc), as the README shows it
