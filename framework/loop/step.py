@@ -14,13 +14,16 @@ class OptimizerStep:
     """Bound once per fit to everything it touches: called per optimizer step, it reads no config."""
 
     def __init__(self, run: Run, hooks: Hooks) -> None:
-        self.precision, self.optimizer, self.params = run.precision, run.optimizer, run.params
+        self.precision, self.optimizers, self.params = run.precision, run.optimizers, run.params
         self.progress, self.scheduler = run.progress, run.scheduler
         self.clip_norm, self.clip_value = run.limits.grad_clip_norm, run.limits.grad_clip_value
-        self.before_step: Optional[Callable[[], None]] = hooks.bound("on_before_optimizer_step", run.optimizer)
-        self.before_zero_grad: Optional[Callable[[], None]] = hooks.bound("on_before_zero_grad", run.optimizer)
+        # Automatic optimization's one optimizer (None: several, which the task steps itself)
+        self.optimizer = run.optimizers.only if len(run.optimizers) == 1 else None
+        self.before_step: Optional[Callable[[], None]] = hooks.bound("on_before_optimizer_step", self.optimizer)
+        self.before_zero_grad: Optional[Callable[[], None]] = hooks.bound("on_before_zero_grad", self.optimizer)
 
     def __call__(self) -> None:
+        assert self.optimizer is not None  # (several optimizers: manual optimization, refused otherwise at build)
         stepped = self.precision.step(
             self.optimizer, self.params, self.clip_norm, self.clip_value, before_step=self.before_step
         )
@@ -33,7 +36,11 @@ class OptimizerStep:
 
     def lrs(self, names: list[str]) -> dict[str, float]:
         """Each group's learning rate now, as `lr/<group>`."""
-        return {f"lr/{name}": group["lr"] for name, group in zip(names, self.optimizer.param_groups)}
+        return {f"lr/{name}": group["lr"] for name, group in zip(names, self.optimizers.param_groups)}
+
+    def manual(self) -> None:
+        """After a training batch under manual optimization: the task stepped its optimizers; one step counted."""
+        self.progress.stepped()
 
     def extras(self, names: list[str], epoch: int, lrs: bool = True) -> dict[str, Any]:
         """What a logging step writes beside the task's values: the epoch, each group's LR (unless `lrs` is false:

@@ -197,8 +197,12 @@ class Trainer:
         no_sync = run.strategy.no_sync(run.model) if limits.accumulate > 1 else None
         plain = contextlib.nullcontext()
         batch_start, before_backward, after_backward, batch_end = map(self.hooks.bound, _BATCH_HOOKS)
+        manual = not task.automatic_optimization  # the task's training_step steps its optimizers (loop/manual.py)
+        if manual:
+            optimizer_step = self.optimizer_step.manual
         accumulate, train_batches, clock = limits.accumulate, run.train_batches, time.perf_counter
         epoch_start, samples, first_batch, data_wait = clock(), 0, p.batch_in_epoch, 0.0
+        out: Any = None  # the step's output (None: a manual step that returned nothing)
         while True:
             waited_from = clock()
             batch = next(batches, None)
@@ -213,19 +217,25 @@ class Trainer:
             begin_batch(n)  # what the task logs in this step is weighted by it
             if batch_start is not None:
                 batch_start(batch, i)
-            with plain if no_sync is None or steps_now else no_sync():  # one all-reduce per optimizer step
+            if manual:
                 with autocast() if autocast is not None else plain:
-                    out = training_step(batch, i)
-                if type(out) is not StepOutput:  # a loss tensor or a dict with "loss", as in Lightning
-                    out = as_step_output(out, where, training=True)
-                if before_backward is not None:
-                    before_backward(out.loss)
-                backward(out.loss / accumulate if accumulate > 1 else out.loss)
-            if after_backward is not None:
-                after_backward()
-            record_loss(out.loss.detach())
-            for name, value in out.metrics.items():  # a task's train metrics: train/<name>, each step and epoch
-                logger.task_log(f"train/{name}", value, on_step=True, on_epoch=True)
+                    stepped = training_step(batch, i)
+                out = as_step_output(stepped, where, training=False)  # its loss, if it returns one, is logged
+            else:
+                with plain if no_sync is None or steps_now else no_sync():  # one all-reduce per optimizer step
+                    with autocast() if autocast is not None else plain:
+                        out = training_step(batch, i)
+                    if type(out) is not StepOutput:  # a loss tensor or a dict with "loss", as in Lightning
+                        out = as_step_output(out, where, training=True)
+                    if before_backward is not None:
+                        before_backward(out.loss)
+                    backward(out.loss / accumulate if accumulate > 1 else out.loss)
+                if after_backward is not None:
+                    after_backward()
+            if out is not None:
+                record_loss(out.loss.detach())
+                for name, value in out.metrics.items():  # a task's train metrics: train/<name>, each step and epoch
+                    logger.task_log(f"train/{name}", value, on_step=True, on_epoch=True)
             p.batch_done()
             samples += n
             if bar is not None:

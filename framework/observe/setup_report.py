@@ -48,9 +48,9 @@ def describe_setup(
         accumulate,
         per_device * world_size * accumulate,
     )
-    say("Parameter groups:\n%s", format_groups(parts.optimizer, parts.frozen))
-    plan = lr_plan(parts.scheduler, parts.optimizer, parts.steps_per_epoch) if parts.scheduler else {}
-    write_json(run_dir / "param_groups.json", describe_groups(parts.optimizer))
+    say("Parameter groups:\n%s", format_groups(parts.optimizers, parts.frozen))
+    plan = lr_plan(parts.scheduler, parts.optimizers.only, parts.steps_per_epoch) if parts.scheduler else {}
+    write_json(run_dir / "param_groups.json", describe_groups(parts.optimizers))
     if fresh:  # a resumed run already logged these
         for name, points in plan.items():
             for step, lr in points:
