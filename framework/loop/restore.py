@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import torch
 from omegaconf import DictConfig
@@ -24,7 +24,7 @@ from framework.checkpoint.state import TrainingState
 from framework.config.saved import from_checkpoint
 from framework.core.errors import ConfigError
 from framework.optim.groups import apply_changed_options, changed_options, check_optimizer_state
-from framework.optim.optimizers import Optimizers
+from framework.optim.optimizers import Optimizers, as_optimizers
 from framework.parallel.strategy import Strategy
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ def restore(
     skip = () if load_scheduler else ("scheduler",)  # scheduler= changed on resume: the new one starts fresh
     state.check(saved, f"checkpoint {checkpoint.path}", skip)
     module.load_state_dict(weights)
+    optimizers = as_optimizers(optimizers)
     if not optimizers.single:  # named optimizers: their options and schedules as saved
         state.load(saved, ("task",))
         return saved.get("task")
@@ -86,8 +87,9 @@ def restore(
     return saved.get("task")
 
 
-def optimizer_check(optimizers: Optimizers) -> Callable[[Any, str], None]:
+def optimizer_check(optimizer: Union[torch.optim.Optimizer, Optimizers]) -> Callable[[Any, str], None]:
     """The saved optimizer state against this run's: the one optimizer's as it always was, or each named one's."""
+    optimizers = as_optimizers(optimizer)
 
     def check(saved: Any, where: str) -> None:
         pairs = [(saved, optimizers.only, where)] if optimizers.single else []

@@ -13,7 +13,7 @@ line naming what is left over (or owned twice). Each optimizer may have its own 
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Optional, cast
+from typing import Any, Iterable, Iterator, Optional, Union, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -69,6 +69,13 @@ class Optimizers:
         for name, scheduler in self.schedulers.items():
             if f"{name}/scheduler" in state:
                 scheduler.load_state_dict(state[f"{name}/scheduler"])
+
+
+def as_optimizers(optimizer: Union[torch.optim.Optimizer, Optimizers]) -> Optimizers:
+    """A run's optimizers as they are, or one torch optimizer as a run's one."""
+    if isinstance(optimizer, Optimizers):
+        return optimizer
+    return Optimizers({"optimizer": optimizer}, single=True, frozen=[])
 
 
 def trainable(task: nn.Module) -> list[Named]:
