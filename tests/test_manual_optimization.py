@@ -174,3 +174,13 @@ NAMED = ("~optimizer", "+optimizer.net._target_=torch.optim.SGD", "+optimizer.ne
 def test_what_the_loop_cannot_do_with_its_optimizers_is_one_line_before_the_first_step(tmp_path, overrides, expected):
     line = one_error_line(run_cli(tmp_path / "run", *overrides))
     assert line.startswith(expected), line
+
+
+def test_a_manual_step_under_fp16_steps_through_the_grad_scaler_and_saves_it(tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli(run, *GAN, "precision=fp16", "trainer.max_epochs=1")
+    assert proc.returncode == 0, output(proc)
+    series = read_scalars(run)
+    assert [s for s, _ in series["amp/scale"]] == [5, 10, 15, 20]  # the optimizers' steps went through the scaler
+    saved = open_checkpoint(run / "checkpoints" / "last").state()["precision"]["scaler"]
+    assert saved["scale"] == series["amp/scale"][-1][1] and saved["_growth_tracker"] == 20 * 2 % 2000
