@@ -184,3 +184,19 @@ def test_a_manual_step_under_fp16_steps_through_the_grad_scaler_and_saves_it(tmp
     assert [s for s, _ in series["amp/scale"]] == [5, 10, 15, 20]  # the optimizers' steps went through the scaler
     saved = open_checkpoint(run / "checkpoints" / "last").state()["precision"]["scaler"]
     assert saved["scale"] == series["amp/scale"][-1][1] and saved["_growth_tracker"] == 20 * 2 % 2000
+
+
+def test_the_gans_generator_exports_to_onnx_on_the_tasks_example_input_array(tmp_path, capsys):
+    import onnxruntime
+
+    from framework.stages import export
+
+    run = tmp_path / "run"
+    assert run_cli(run, *GAN, "trainer.max_epochs=1").returncode == 0
+    assert export.main([str(run), "--format", "onnx"]) == 1  # the data's images are not the generator's input
+    assert "Error: " in capsys.readouterr().err
+    assert export.main([str(run), "--example-input-array", "--format", "onnx", "--out", str(tmp_path / "g")]) == 0
+    assert "on the task's example_input_array, a float32 tensor of shape [2, 32]" in capsys.readouterr().out
+    session = onnxruntime.InferenceSession(str(tmp_path / "g" / "model.onnx"))
+    images = session.run(None, {session.get_inputs()[0].name: torch.randn(5, 32).numpy()})[0]
+    assert images.shape == (5, 1, 8, 8) and images.min() >= -1 and images.max() <= 1  # the generator's tanh
