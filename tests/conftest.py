@@ -278,7 +278,11 @@ def view_for(task, logger, *, progress=None, stop=None, strategy=None, run_dir: 
 
     strategy = strategy or SingleDevice(torch.device("cpu"))
     model = getattr(task, "model", None) or torch.nn.Identity()
-    parts = types.SimpleNamespace(model=model, data=None, optimizer=None)
+    from framework.optim.optimizers import Optimizers
+    from framework.parallel.precision import Precision
+
+    parts = types.SimpleNamespace(model=model, data=None, optimizers=Optimizers({}, single=False, frozen=[]),
+                                  precision=Precision("fp32", torch.device("cpu")), scheduler=None)
     limits = types.SimpleNamespace(max_epochs=max_epochs, max_steps=max_steps, log_every_n_steps=1)
     view = RunView(parts, [], logger, progress or Progress(), stop or Stop(strategy, 0, 0), strategy, limits,
                    run_dir or Path("unused"))

@@ -44,8 +44,8 @@ def test_bench_experiment_composes_to_the_workload_and_trains(compose, tmp_path)
     model = trainer.run.strategy.unwrap(trainer.run.task.model)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert [(m.in_features, m.out_features) for m in linears] == [(128, 256), (256, 256), (256, 10)]
-    assert len(trainer.run.optimizer.param_groups) == 1
-    group = trainer.run.optimizer.param_groups[0]
+    assert len(trainer.run.optimizers.param_groups) == 1
+    group = trainer.run.optimizers.param_groups[0]
     assert (group["lr"], group["momentum"], group["weight_decay"], group["nesterov"]) == (0.05, 0.9, 0.0, False)
     assert trainer.run.data.num_batches("train") == 32_768 // 128
     # The framework and the hand-written loops train on the same tensors.
@@ -129,7 +129,7 @@ def test_realistic_contenders_train_the_framework_model_and_optimizer(compose, t
     assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
     groups = realistic.make_optimizer(realistic.make_model()).param_groups
     assert sorted((len(g["params"]), g["lr"], g["momentum"], g["weight_decay"]) for g in groups) == \
-        sorted((len(g["params"]), g["lr"], g["momentum"], g["weight_decay"]) for g in trainer.run.optimizer.param_groups)
+        sorted((len(g["params"]), g["lr"], g["momentum"], g["weight_decay"]) for g in trainer.run.optimizers.param_groups)
 
 
 @pytest.mark.e2e  # a whole benchmark script, in this process

@@ -42,16 +42,16 @@ def _run(compose, tmp_path, *overrides: str):
 def test_every_group_is_scaled_by_its_multiplier_and_the_run_is_put_back_with_no_checkpoint(compose, tmp_path):
     run = _run(compose, tmp_path, "lr_find.num_steps=12", "optimizer.lr=0.5",
                "optimizer.param_groups=[{name: head, params: ['net.3.*', 'net.5.*'], lr_mult: 0.1}]")
-    names = [g.get("name") for g in run.optimizer.param_groups]
+    names = [g.get("name") for g in run.optimizers.param_groups]
     before = {k: v.clone() for k, v in run.module.state_dict().items()}
-    opt_before, rng_before = run.optimizer.state_dict(), torch.get_rng_state()
+    opt_before, rng_before = run.optimizers.state_dict(), torch.get_rng_state()
     with lr_find.kept_states(run):
         curve = lr_find.range_test(run, run.cfg.lr_find)
-        lrs = {name: g["lr"] for name, g in zip(names, run.optimizer.param_groups)}
+        lrs = {name: g["lr"] for name, g in zip(names, run.optimizers.param_groups)}
         assert lrs["head"] == pytest.approx(0.1 * curve.lrs[-1]) and len(set(lrs.values())) == 2, lrs
         assert any(not torch.equal(before[k], v) for k, v in run.module.state_dict().items())  # it trained
     assert all(torch.equal(before[k], v) for k, v in run.module.state_dict().items())
-    after = run.optimizer.state_dict()
+    after = run.optimizers.state_dict()
     assert [g["lr"] for g in after["param_groups"]] == [g["lr"] for g in opt_before["param_groups"]]
     assert after["state"] == opt_before["state"] == {}  # no momentum buffers were kept
     assert torch.equal(torch.get_rng_state(), rng_before)

@@ -248,7 +248,7 @@ def test_dry_run_prints_summary_groups_and_plan_without_training(compose, tmp_pa
 def test_resnet18_finetune_preset_puts_the_head_at_ten_times_the_backbone_lr(compose, tmp_path):
     cfg = compose("experiment=resnet18_finetune", "logger.progress_bar=false")
     trainer = Trainer(cfg, tmp_path)
-    g = {x["name"]: x for x in describe_groups(trainer.run.optimizer)}
+    g = {x["name"]: x for x in describe_groups(trainer.run.optimizers)}
     assert g["head"]["params"] == ["fc.weight"] and g["head_no_decay"]["params"] == ["fc.bias"]
     assert g["head"]["lr"] == pytest.approx(10 * g["default"]["lr"])
     assert g["no_decay"]["weight_decay"] == 0 and "bn1.weight" in g["no_decay"]["params"]

@@ -83,7 +83,7 @@ def test_inf_gradient_skips_the_step_and_leaves_the_scheduler_in_place(compose, 
     t.fit()
     assert t.run.precision.skipped_steps == 1
     assert t.run.scheduler.scheduler.last_epoch == 2  # 3 optimizer steps, one skipped
-    assert t.run.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 2)
+    assert t.run.optimizers.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 2)
     assert all(torch.isfinite(p).all() for p in t.run.task.parameters())
     scalars = read_scalars(tmp_path)
     assert [v for _, v in scalars["amp/skipped_steps"]] == [0, 1, 1]

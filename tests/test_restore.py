@@ -92,13 +92,13 @@ def test_a_checkpoint_whose_optimizer_does_not_fit_is_refused_before_the_weights
     cfg = OmegaConf.create({"scheduler": {}, "optimizer": {"_target_": "torch.optim.Adam"}})
     with pytest.raises(DamagedCheckpoint, match="optimizer/param_groups/0"):
         restore(open_checkpoint(tmp_path / "last"), cfg, registry(model, adam), module=model, strategy=SingleDevice(CPU),
-                optimizer=adam, scheduler=None)
+                optimizers=adam, scheduler=None)
     assert all(torch.equal(v, fresh[k]) for k, v in model.state_dict().items())  # nothing half-restored
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     cfg = OmegaConf.create({"scheduler": {}, "optimizer": {"_target_": "torch.optim.SGD", "lr": 0.1,
                                                            "momentum": 0.9}})
     progress = registry(model, sgd)
-    restore(open_checkpoint(tmp_path / "last"), cfg, progress, module=model, strategy=SingleDevice(CPU), optimizer=sgd,
+    restore(open_checkpoint(tmp_path / "last"), cfg, progress, module=model, strategy=SingleDevice(CPU), optimizers=sgd,
             scheduler=None)
     assert all(torch.equal(v, saved_model.state_dict()[k]) for k, v in model.state_dict().items())
     assert progress.progress.step == 1 and len(sgd.state) == 2  # the momentum buffers came back

@@ -32,9 +32,9 @@ def test_a_fresh_run_writes_its_groups_lr_plan_and_config_for_tensorboard(built,
                    charts=["val/acc"], hparams={})
     tensorboard.close()
     groups = json.loads((tmp_path / "param_groups.json").read_text())
-    assert [g["name"] for g in groups] == [g["name"] for g in parts.optimizer.param_groups]
-    assert sum(len(g["params"]) for g in groups) == sum(len(g["params"]) for g in parts.optimizer.param_groups)
-    planned = lr_plan(parts.scheduler, parts.optimizer, parts.steps_per_epoch)
+    assert [g["name"] for g in groups] == [g["name"] for g in parts.optimizers.param_groups]
+    assert sum(len(g["params"]) for g in groups) == sum(len(g["params"]) for g in parts.optimizers.param_groups)
+    planned = lr_plan(parts.scheduler, parts.optimizers.only, parts.steps_per_epoch)
     written = read_scalars(tmp_path)
     for name, points in planned.items():
         assert [step for step, _ in written[f"lr_plan/{name}"]] == [step for step, _ in points]

@@ -1053,7 +1053,7 @@ def test_checkpoint_early_stopping_and_plateau_monitor_a_metric_the_task_logs(co
     assert open_checkpoint(Path(summary["best_checkpoint"])).step == 3
     assert summary["tested"] == "best (step 3)"
     # ReduceLROnPlateau (patience 0) cut the LR once, at the second validation, by its factor 0.1.
-    assert [group["lr"] for group in trainer.run.optimizer.param_groups] == pytest.approx([0.01, 0.01])
+    assert [group["lr"] for group in trainer.run.optimizers.param_groups] == pytest.approx([0.01, 0.01])
 
 
 TYPO_MONITORS = {

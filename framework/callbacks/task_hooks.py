@@ -23,7 +23,7 @@ from framework.core.errors import ConfigError
 # LightningModule methods the loop does not call, and what does their job here.
 REPLACED = {
     "configure_optimizers": "the optimizer and scheduler config groups (optimizer=..., scheduler=..., "
-    "optimizer.param_groups for per-group options)",
+    "optimizer.param_groups for per-group options; several: optimizer.<name>.owns, docs/optimization.md)",
     "configure_callbacks": "the callbacks config group (+callbacks.NAME={_target_: ...})",
     "configure_gradient_clipping": "trainer.grad_clip_norm or trainer.grad_clip_value",
     "configure_model": "the model config group (parallel=fsdp shards it)",
@@ -40,7 +40,6 @@ REPLACED = {
     "optimizer_zero_grad": "none: the loop clears the gradients; on_before_zero_grad sees each step",
     "lr_scheduler_step": "the scheduler config group (scheduler.interval, frequency, monitor)",
     "backward": "none: the loop calls backward (precision= picks the loss scaling)",
-    "manual_backward": "none: manual optimization is not supported; the loop calls backward",
     "training_step_end": "return the loss from training_step (Lightning 2 removed training_step_end)",
     "validation_step_end": "self.log in validation_step (Lightning 2 removed validation_step_end)",
     "test_step_end": "self.log in test_step (Lightning 2 removed test_step_end)",

@@ -134,6 +134,25 @@ class RngState:
         reproducibility.set_rng_state(self._own(state), self.strategy.device)
 
 
+class TaskParameters:
+    """The task's parameters outside its model (a second net, a learnable temperature), trained beside it: saved in
+    every checkpoint and restored exactly (its model's are the checkpoint's weights)."""
+
+    def __init__(self, task: torch.nn.Module, model_attr: str) -> None:
+        self.task, self.prefix = task, model_attr + "."
+
+    def _own(self) -> dict[str, torch.nn.Parameter]:
+        return {name: p for name, p in self.task.named_parameters() if not name.startswith(self.prefix)}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().cpu().clone() for name, p in self._own().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, param in self._own().items():
+                param.copy_(state[name])
+
+
 class TaskState:
     """The task's own state beside its model, every rank's (a metric's state holds that rank's batches): the
     states of its torchmetrics Metrics (a best-so-far, an epoch mean), its buffers outside the model, and what its

@@ -165,6 +165,12 @@ def _check_lr_find(cfg: DictConfig) -> None:
         "null (never stop early) or a factor > 1 of the lowest loss",
     )
     _require(0 <= s.smoothing < 1, "lr_find.smoothing", s.smoothing, "a factor in [0, 1) (0: no smoothing)")
+    if OmegaConf.select(cfg, "optimizer._target_") is None:
+        named = ", ".join(str(k) for k in cfg.optimizer)
+        raise ConfigError(
+            f"lr_find: the run has named optimizers ({named}); expected one optimizer (optimizer._target_), "
+            "whose learning rate lr_find sweeps"
+        )
     lr = OmegaConf.select(cfg, "optimizer.lr")
     _require(
         isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0,

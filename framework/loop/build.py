@@ -23,7 +23,7 @@ from framework.core import startup
 from framework.core.errors import ConfigError
 from framework.data.folds import write_record as write_fold_record
 from framework.data.module import DataModule
-from framework.optim.groups import build_optimizer
+from framework.optim.optimizers import Optimizers, build_named_schedulers, build_optimizers, outside_model
 from framework.optim.schedulers import build_scheduler
 from framework.parallel import activation_checkpointing, meta_init
 from framework.parallel.precision import Precision
@@ -41,9 +41,9 @@ class Components:
     model_attr: str
     model: torch.nn.Module
     precision: Precision
-    optimizer: torch.optim.Optimizer
+    optimizers: Optimizers  # one, or several by name (framework/optim/optimizers.py)
     frozen: Any  # the parameters no group trains (for the parameter-group table)
-    scheduler: Any
+    scheduler: Any  # the `scheduler` group's, over the one optimizer (None: constant, or several optimizers)
     train_batches: int  # per epoch, after the limits
     steps_per_epoch: int
     overfit: int  # trainer.overfit_batches as a number of batches (0: off)
@@ -80,7 +80,8 @@ def build_components(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Comp
     wrapped = strategy.wrap(model, param_dtype=precision.dtype)
     if on_meta is not None and on_meta.recorder is not None:  # each rank's shards get their values only now
         on_meta.materialise(model, cfg)
-    optimizer, frozen = build_optimizer(cfg.optimizer, model)
+    optimizers = build_optimizers(cfg.optimizer, task, model_attr, model)
+    check_optimization(cfg, task, model_attr, strategy, optimizers)
     # overfit_batches: the same first batches of epoch 0's order every epoch, validated on too (Lightning's).
     overfit = limit(t.overfit_batches, data.num_batches("train")) if t.overfit_batches else 0
     train_batches = limit(1 if fast_dev_run else (overfit or t.limit_train_batches), data.num_batches("train"))
@@ -90,13 +91,13 @@ def build_components(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Comp
             "data.batch_size with data.drop_last=true?)"
         )
     steps_per_epoch = math.ceil(train_batches / t.accumulate_grad_batches)
-    scheduler = build_scheduler(
-        cfg.scheduler,
-        optimizer,
-        max_steps=1 if fast_dev_run else t.max_steps,
-        max_epochs=1 if fast_dev_run else t.max_epochs,
-        steps_per_epoch=steps_per_epoch,
-    )
+    lengths = {
+        "max_steps": 1 if fast_dev_run else t.max_steps,
+        "max_epochs": 1 if fast_dev_run else t.max_epochs,
+        "steps_per_epoch": steps_per_epoch,
+    }
+    scheduler = build_scheduler(cfg.scheduler, optimizers.only, **lengths) if optimizers.single else None
+    build_named_schedulers(cfg.optimizer, optimizers, build_scheduler, **lengths)
     checkpoints = build_checkpoints(cfg, strategy, run_dir)
     callbacks = CallbackList(build_callbacks(cfg), first=task_hooks.task_callback(task))
     startup.resume_collector()  # the run's long-lived objects exist: collect as usual from here (startup.py)
@@ -106,8 +107,8 @@ def build_components(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Comp
         model_attr,
         wrapped,
         precision,
-        optimizer,
-        frozen,
+        optimizers,
+        optimizers.frozen,
         scheduler,
         train_batches,
         steps_per_epoch,
@@ -115,6 +116,44 @@ def build_components(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Comp
         checkpoints,
         callbacks,
     )
+
+
+def check_optimization(
+    cfg: DictConfig, task: Task, model_attr: str, strategy: Strategy, optimizers: Optimizers
+) -> None:
+    """What the loop cannot do with these optimizers, refused before the first step (Lightning 2's rules for manual
+    optimization; what is not built here yet, named)."""
+    name, t = type(task).__name__, cfg.trainer
+    manual = not task.automatic_optimization
+    if len(optimizers) > 1 and not manual:
+        raise ConfigError(
+            f"optimizer: {len(optimizers)} optimizers ({', '.join(optimizers.named)}) under automatic optimization; "
+            f"expected one, or `self.automatic_optimization = False` in {name}.__init__ and a training_step that "
+            "steps them (manual optimization, as Lightning 2 requires)"
+        )
+    if len(optimizers) > 1 and cfg.scheduler.get("_target_") is not None:
+        raise ConfigError(
+            f"scheduler._target_={cfg.scheduler._target_!r}: one schedule for {len(optimizers)} optimizers; "
+            "expected scheduler=none and a `scheduler` node under each optimizer.<name> that has one"
+        )
+    if manual:
+        for key, value, fix in (
+            ("trainer.accumulate_grad_batches", t.accumulate_grad_batches, 1),
+            ("trainer.grad_clip_norm", t.grad_clip_norm, None),
+            ("trainer.grad_clip_value", t.grad_clip_value, None),
+        ):
+            if value != fix:
+                raise ConfigError(
+                    f"{key}={value}: {name} optimizes manually (automatic_optimization = False), and its "
+                    f"training_step accumulates and clips itself (self.clip_gradients); expected {key}={fix}"
+                )
+    outside = outside_model(task, model_attr)
+    if strategy.name != "single" and (manual or outside):
+        what = "optimizes manually" if manual else f"holds parameters outside its model ({', '.join(outside[:4])})"
+        raise ConfigError(
+            f"parallel.strategy={strategy.name}: {name} {what}, which this framework trains in one process only "
+            "so far; expected parallel=single"
+        )
 
 
 def build_checkpoints(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> CheckpointManager:

@@ -36,6 +36,47 @@ class _QuietLogger:
     experiment = _Anything()
 
 
+class _NoStep:
+    """An optimizer as the check's manual step gets it: nothing is zeroed or stepped."""
+
+    param_groups: list[dict[str, Any]] = []
+
+    def step(self, closure: Any = None) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
+class NoSteps:
+    """Manual optimization's calls during the check (under no_grad): none back-propagates, toggles or steps, as many
+    optimizers and schedules as the run's."""
+
+    def __init__(self, optimizers: int, schedules: int) -> None:
+        self._optimizers = [_NoStep() for _ in range(optimizers)]
+        self._schedules = [_NoStep() for _ in range(schedules)]
+
+    def optimizers(self) -> Any:
+        return self._optimizers[0] if len(self._optimizers) == 1 else list(self._optimizers)
+
+    def lr_schedulers(self, schedule: Any = None) -> Any:
+        if not self._schedules:
+            return None
+        return self._schedules[0] if len(self._schedules) == 1 else list(self._schedules)
+
+    def backward(self, loss: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def toggle(self, optimizer: Any) -> None:
+        pass
+
+    def untoggle(self, optimizer: Any) -> None:
+        pass
+
+    def clip(self, optimizer: Any, clip_val: Any, algorithm: Any) -> None:
+        pass
+
+
 class CheckHandle:
     """What the task's `trainer` is during the check: its logs are names only, kept to check the monitors
     against; its logger writes nothing."""
@@ -44,10 +85,13 @@ class CheckHandle:
     global_step = 0
     current_epoch = 0
 
-    def __init__(self, is_global_zero: bool) -> None:
+    scheduler = None
+
+    def __init__(self, is_global_zero: bool, optimizers: int = 1, schedules: int = 0) -> None:
         self.stage, self.is_global_zero = "train", is_global_zero
         self.callback_metrics: dict[str, float] = {}
         self.names: list[str] = []
+        self.task_optimizers = NoSteps(optimizers, schedules)  # a manual step's forward runs; nothing is stepped
 
     def log_from_task(self, name: str, value: Any, **_options: Any) -> None:
         as_tensor(name, value)  # a value of the wrong kind is refused here, before training
@@ -68,7 +112,10 @@ def check_first_batches(
     on_validation_epoch_end); otherwise the first validation round decides."""
     strategy, rng = evaluator.strategy, reproducibility.rng_state()
     plain = strategy.unwrap(evaluator.model)
-    handle = CheckHandle(strategy.is_rank_zero)
+    run = task.trainer  # the run's view (its optimizers and schedules, for a manual step's count of them)
+    schedules = run.task_optimizers.lr_schedulers(run.scheduler) if run is not None else None
+    counts = (len(run.optimizers), len(schedules) if isinstance(schedules, list) else int(schedules is not None))
+    handle = CheckHandle(strategy.is_rank_zero, *(counts if run is not None else (1, 0)))
     with swapped(task, model_attr, plain):
         try:
             shadow = throwaway_copy(task, plain, handle)

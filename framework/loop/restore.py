@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import torch
 from omegaconf import DictConfig
@@ -24,6 +24,7 @@ from framework.checkpoint.state import TrainingState
 from framework.config.saved import from_checkpoint
 from framework.core.errors import ConfigError
 from framework.optim.groups import apply_changed_options, changed_options, check_optimizer_state
+from framework.optim.optimizers import Optimizers, as_optimizers
 from framework.parallel.strategy import Strategy
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ def restore(
     *,
     module: Any,
     strategy: Any,
-    optimizer: Any,
+    optimizers: Any,
     scheduler: Any,
 ) -> Any:
     """Load `checkpoint` into the run; returns the task's saved part, which the trainer loads once the task's start
@@ -59,6 +60,11 @@ def restore(
     skip = () if load_scheduler else ("scheduler",)  # scheduler= changed on resume: the new one starts fresh
     state.check(saved, f"checkpoint {checkpoint.path}", skip)
     module.load_state_dict(weights)
+    optimizers = as_optimizers(optimizers)
+    if not optimizers.single:  # named optimizers: their options and schedules as saved
+        state.load(saved, ("task",))
+        return saved.get("task")
+    optimizer = optimizers.only
     configured = [dict(group) for group in optimizer.param_groups]  # from this run's config
     state.load(saved, (*skip, "task"))
     if not same_schedule:  # the new schedule starts here, from its start
@@ -81,12 +87,23 @@ def restore(
     return saved.get("task")
 
 
-def optimizer_check(optimizer: Any) -> Callable[[Any, str], None]:
+def optimizer_check(optimizer: Union[torch.optim.Optimizer, Optimizers]) -> Callable[[Any, str], None]:
+    """The saved optimizer state against this run's: the one optimizer's as it always was, or each named one's."""
+    optimizers = as_optimizers(optimizer)
+
     def check(saved: Any, where: str) -> None:
-        validate_state(saved, optimizer.state_dict(), where)
-        problem = check_optimizer_state(saved, optimizer, where)
-        if problem is not None:
-            raise DamagedCheckpoint(problem)
+        pairs = [(saved, optimizers.only, where)] if optimizers.single else []
+        if not optimizers.single:
+            validate_state(saved, {name: {} for name in optimizers.named}, where)  # by name, these and no others
+            pairs = [(saved[name], opt, f"{where}/{name}") for name, opt in optimizers.named.items()]
+        for state, optimizer, at in pairs:
+            validate_state(state, optimizer.state_dict(), at)
+            problem = check_optimizer_state(state, optimizer, at)
+            if problem is not None:
+                raise DamagedCheckpoint(problem)
+        for name, scheduler in optimizers.schedulers.items():
+            if f"{name}/scheduler" not in saved:
+                raise DamagedCheckpoint(f"{where}: no {name}/scheduler; expected optimizer.{name}'s schedule")
 
     return check
 

@@ -16,7 +16,7 @@ import framework
 from framework.callbacks import task_hooks
 from framework.callbacks.base import CallbackList
 from framework.checkpoint import Checkpoint, CheckpointManager, open_checkpoint
-from framework.checkpoint.state import Progress, RngState, TaskState, TrainingState
+from framework.checkpoint.state import Progress, RngState, TaskParameters, TaskState, TrainingState
 from framework.config.interpolation import interpolations, sources
 from framework.core import reproducibility
 from framework.core.errors import ConfigError
@@ -34,6 +34,7 @@ from framework.observe.setup_report import describe_setup
 from framework.observe.tensorboard import TensorBoardLogger
 from framework.observe.trackers import Trackers
 from framework.optim.groups import group_names
+from framework.optim.optimizers import Optimizers, outside_model
 from framework.parallel.memory import PeakMemory, model_devices
 from framework.parallel.precision import Precision
 from framework.parallel.strategy import Strategy, build_strategy
@@ -75,7 +76,7 @@ class Run:
     model_attr: str
     model: torch.nn.Module
     precision: Precision
-    optimizer: torch.optim.Optimizer
+    optimizers: Optimizers
     frozen: Any
     scheduler: Any
     train_batches: int
@@ -144,7 +145,7 @@ def assemble(
     limits = limits_of(cfg, parts.data.has("val"))
     progress, stop = Progress(), Stop(strategy, t.min_epochs, t.min_steps)
     tensorboard, bar, metric_logger = _reporting(cfg, strategy, parts, limits, run_dir, resume_from)
-    names = group_names(parts.optimizer)
+    names = group_names(parts.optimizers)
     view = RunView(parts, names, metric_logger, progress, stop, strategy, limits, run_dir)
     parts.task.trainer = view  # Lightning's `self.trainer` (a view of the run, not the loop)
     step_fns = {m: step_function(parts.task, m) for m in ("training_step", "validation_step", "test_step")}
@@ -271,7 +272,10 @@ def _saved_with_state(
 def _register_state(run: Run) -> None:
     """Every piece of resumable state, once."""
     state = run.state
-    state.register("optimizer", run.optimizer, check=optimizer_check(run.optimizer))
+    state.register("optimizer", run.optimizers, check=optimizer_check(run.optimizers))
+    if outside_model(run.task, run.model_attr):  # trained beside the model: saved and restored with it
+        params = TaskParameters(run.task, run.model_attr)
+        state.register("task_parameters", params)
     if run.scheduler is not None:
         state.register("scheduler", run.scheduler)
     state.register("precision", run.precision, check=precision_check(run.precision))
@@ -317,7 +321,7 @@ def restore_into(run: Run, checkpoint: Checkpoint) -> Any:
         run.state,
         module=run.module,
         strategy=run.strategy,
-        optimizer=run.optimizer,
+        optimizers=run.optimizers,
         scheduler=run.scheduler,
     )
     _start_on_new_data(run.data_check, run.progress, run.strategy.is_rank_zero)

@@ -30,17 +30,14 @@ from framework.loop.evaluate import move_to
 from framework.loop.hooks import Hooks
 from framework.loop.preflight import check_first_batches
 from framework.loop.run import Run, agree_on_stops, assemble, monitors, report_setup, restore_into
-from framework.loop.step import OptimizerStep
+from framework.loop.step import OptimizerStep, batch_fns
 from framework.loop.summary import fit_summary
 from framework.loop.validation import Validation
 from framework.observe.profiler import build_profiler
 from framework.observe.summary import print_summary
-from framework.task.task import StepOutput, as_step_output, swapped
+from framework.task.task import swapped
 
 log = logging.getLogger(__name__)
-
-# The per-batch hooks, in the order the loop calls them.
-_BATCH_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end")
 
 
 class Trainer:
@@ -185,18 +182,13 @@ class Trainer:
         config, syncs with the device or allocates beyond the step itself (bench/overhead.py measures it).
         A callback hook nobody implements is not called at all."""
         run = self.run
-        p, task, logger, precision, limits = run.progress, run.task, run.metric_logger, run.precision, run.limits
+        p, task, logger, limits = run.progress, run.task, run.metric_logger, run.limits
         batches = self._start_epoch()
         batch_size, begin_batch, record_loss = task.batch_size, logger.begin_batch, logger.record_loss
-        training_step, backward, optimizer_step = self.profiler.loop_fns(
-            run.training_step, precision.backward, self.optimizer_step
-        )  # as they are, unless trainer.profiler times them
-        bar, where = run.bar if run.bar.enabled else None, f"{type(task).__name__}.training_step"
-        autocast = precision.autocast if precision.dtype is not None else None
+        forward_backward, optimizer_step = batch_fns(run, self.hooks, self.profiler, self.optimizer_step)
+        bar = run.bar if run.bar.enabled else None
         to_device = None if run.device.type == "cpu" else move_to  # batches are made on the CPU
-        no_sync = run.strategy.no_sync(run.model) if limits.accumulate > 1 else None
-        plain = contextlib.nullcontext()
-        batch_start, before_backward, after_backward, batch_end = map(self.hooks.bound, _BATCH_HOOKS)
+        batch_start, batch_end = self.hooks.bound("on_train_batch_start"), self.hooks.bound("on_train_batch_end")
         accumulate, train_batches, clock = limits.accumulate, run.train_batches, time.perf_counter
         epoch_start, samples, first_batch, data_wait = clock(), 0, p.batch_in_epoch, 0.0
         while True:
@@ -213,19 +205,11 @@ class Trainer:
             begin_batch(n)  # what the task logs in this step is weighted by it
             if batch_start is not None:
                 batch_start(batch, i)
-            with plain if no_sync is None or steps_now else no_sync():  # one all-reduce per optimizer step
-                with autocast() if autocast is not None else plain:
-                    out = training_step(batch, i)
-                if type(out) is not StepOutput:  # a loss tensor or a dict with "loss", as in Lightning
-                    out = as_step_output(out, where, training=True)
-                if before_backward is not None:
-                    before_backward(out.loss)
-                backward(out.loss / accumulate if accumulate > 1 else out.loss)
-            if after_backward is not None:
-                after_backward()
-            record_loss(out.loss.detach())
-            for name, value in out.metrics.items():  # a task's train metrics: train/<name>, each step and epoch
-                logger.task_log(f"train/{name}", value, on_step=True, on_epoch=True)
+            out = forward_backward(batch, i, steps_now)
+            if out is not None:  # (a manual step may return no loss)
+                record_loss(out.loss.detach())
+                for name, value in out.metrics.items():  # a task's train metrics: train/<name>, each step and epoch
+                    logger.task_log(f"train/{name}", value, on_step=True, on_epoch=True)
             p.batch_done()
             samples += n
             if bar is not None:

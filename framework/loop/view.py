@@ -16,6 +16,7 @@ from torch import nn
 
 from framework.checkpoint.state import Progress
 from framework.data.module import DataModule
+from framework.loop.manual import TaskOptimizers
 from framework.loop.stop import Stop
 from framework.observe.metric_logger import MetricLogger
 from framework.parallel.strategy import Strategy
@@ -40,7 +41,9 @@ class RunView:
         """`parts`: the run's components (framework/loop/build.py): its model, data and optimizer are named here;
         `limits`: its lengths (framework/loop/run.py)."""
         self._metrics, self._progress, self._stop, self._strategy = metric_logger, progress, stop, strategy
-        self.model, self.datamodule, self.optimizer = parts.model, parts.data, parts.optimizer
+        self.model, self.datamodule, self.scheduler = parts.model, parts.data, parts.scheduler
+        self.optimizers = list(parts.optimizers)  # Lightning's trainer.optimizers: the torch optimizers
+        self.task_optimizers = TaskOptimizers(parts.optimizers, parts.precision)  # what Task.optimizers() reaches
         self.param_group_names, self.logger, self.run_dir = param_group_names, metric_logger.tensorboard, run_dir
         self.max_epochs, self.max_steps = limits.max_epochs, limits.max_steps
         self.log_every_n_steps = limits.log_every_n_steps

@@ -209,13 +209,13 @@ class MetricLogger:
         log() since the last one, read in one host sync (a logged Metric is computed, over every rank); a loss that
         was not finite stops the run, naming its step."""
         window = self.window
-        if not window.losses:
+        if not window.losses and not (self._task_step or self._logged):  # (a manual step may return no loss)
             return
         losses, stacked, names = self.step_values()
         mean, all_finite, *values = stacked.tolist()
         if not all_finite:
             self._not_finite(losses, torch.isfinite(losses))
-        own = {} if "train/loss" in self._task_train_names else {"train/loss": mean}  # the task's own wins
+        own = {} if "train/loss" in self._task_train_names or not len(losses) else {"train/loss": mean}
         metrics = {**own, **extras}
         metrics.update({k: v for k, v in self._logged.items() if not isinstance(v, torch.Tensor)})
         metrics.update(zip(names, values))
@@ -223,7 +223,8 @@ class MetricLogger:
         self._logged.clear()
         self._task_step.clear()
         self._send(metrics, step)
-        self.bar.show({"train/loss": mean, **{k: v for k, v in metrics.items() if k in self.bar_names}})
+        loss = {"train/loss": mean} if len(losses) else {}
+        self.bar.show({**loss, **{k: v for k, v in metrics.items() if k in self.bar_names}})
         self.metrics.update({**own, **{k: metrics[k] for k in task_names}})
         window.count_losses(losses)
         window.next_window(step)

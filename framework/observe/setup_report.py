@@ -49,11 +49,11 @@ def describe_setup(
         accumulate,
         per_device * world_size * accumulate,
     )
-    say("Parameter groups:\n%s", format_groups(parts.optimizer, parts.frozen))
+    say("Parameter groups:\n%s", format_groups(parts.optimizers, parts.frozen))
     if cfg.trainer.enable_model_summary:  # counted from the parameters: no forward pass, nothing to wait for
         log.info("Model summary:\n%s", format_summary(summarize(parts.task, cfg.trainer.model_summary_max_depth)))
-    plan = lr_plan(parts.scheduler, parts.optimizer, parts.steps_per_epoch) if parts.scheduler else {}
-    write_json(run_dir / "param_groups.json", describe_groups(parts.optimizer))
+    plan = lr_plan(parts.scheduler, parts.optimizers.only, parts.steps_per_epoch) if parts.scheduler else {}
+    write_json(run_dir / "param_groups.json", describe_groups(parts.optimizers))
     if fresh:  # a resumed run already logged these
         for name, points in plan.items():
             for step, lr in points:

@@ -12,7 +12,7 @@ import fnmatch
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, cast
+from typing import Any, Iterable, Optional, Protocol, Union, cast
 
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -36,6 +36,13 @@ MATCHERS = ("params", "modules", "ndim")
 MULTIPLIERS = {"lr_mult": "lr", "decay_mult": "weight_decay"}
 
 
+class HasGroups(Protocol):
+    """An optimizer, or the run's several (framework/optim/optimizers.py): what the group tables read."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+
+
 # ---------------------------------------------------------------------------------------------- groups
 @dataclass
 class Rule:
@@ -53,6 +60,15 @@ class Rule:
             or (bool(self.module_types) and isinstance(owner, self.module_types))
             or param.ndim in self.ndims
         )
+
+
+@dataclass
+class Named:
+    """A trainable parameter, by the name rules match it with, with the module that directly holds it."""
+
+    name: str
+    param: nn.Parameter
+    owner: nn.Module
 
 
 @dataclass
@@ -80,15 +96,15 @@ def _module_types(value: Any, key: str) -> tuple[type, ...]:
     return tuple(types)
 
 
-def parse_rules(rules: Any, optimizer_options: set[str]) -> list[Rule]:
+def parse_rules(rules: Any, optimizer_options: set[str], at: str = "optimizer") -> list[Rule]:
     """Check and convert `optimizer.param_groups`; errors name the rule's index and the key."""
     if rules is None:
         return []
     if not isinstance(rules, (list, ListConfig)):
-        raise ConfigError(f"optimizer.param_groups={rules!r}: expected a list of rules")
+        raise ConfigError(f"{at}.param_groups={rules!r}: expected a list of rules")
     parsed, seen = [], set()
     for i, raw in enumerate(rules):
-        key = f"optimizer.param_groups[{i}]"
+        key = f"{at}.param_groups[{i}]"
         if not isinstance(raw, (dict, DictConfig)):
             raise ConfigError(f"{key}={raw!r}: expected a mapping with a name, a matcher and overrides")
         raw = (
@@ -129,18 +145,8 @@ def parse_rules(rules: Any, optimizer_options: set[str]) -> list[Rule]:
     return parsed
 
 
-def _owners(model: nn.Module) -> dict[str, nn.Module]:
-    """Each parameter's name (as in `named_parameters()`) -> the module that directly holds it."""
-    return {
-        f"{prefix}.{name}" if prefix else name: module
-        for prefix, module in model.named_modules()
-        for name, _ in module.named_parameters(recurse=False)
-    }
-
-
-def resolve_groups(model: nn.Module, rules: list[Rule], base: dict[str, Any]) -> tuple[list[Group], list[str]]:
+def resolve_groups(params: list[Named], rules: list[Rule], base: dict[str, Any]) -> tuple[list[Group], list[str]]:
     """Assign every trainable parameter to the first matching rule's group; returns (groups, frozen names)."""
-    owners = _owners(model)
     groups = []
     for rule in rules:
         options = dict(rule.options)
@@ -149,11 +155,12 @@ def resolve_groups(model: nn.Module, rules: list[Rule], base: dict[str, Any]) ->
         groups.append(Group(rule.name, options))
     default = Group("default", {})
     frozen = []
-    for name, param in model.named_parameters():
+    for named in params:
+        name, param = named.name, named.param
         if not param.requires_grad:
             frozen.append(name)
             continue
-        target = next((g for g, r in zip(groups, rules) if r.matches(name, param, owners[name])), default)
+        target = next((g for g, r in zip(groups, rules) if r.matches(name, param, named.owner)), default)
         target.names.append(name)
         target.params.append(param)
     for group in groups:
@@ -162,23 +169,38 @@ def resolve_groups(model: nn.Module, rules: list[Rule], base: dict[str, Any]) ->
     return [g for g in (*groups, default) if g.params], frozen
 
 
-def build_optimizer(node: DictConfig, model: nn.Module) -> tuple[torch.optim.Optimizer, list[str]]:
-    """Any `torch.optim` optimizer by `_target_`, over the groups of `optimizer.param_groups`.
+def named_in(module: nn.Module, prefix: str = "") -> list[Named]:
+    """A module's parameters (trainable or not) by `prefix` + their name in it, with their owning modules."""
+    owners = {
+        f"{path}.{name}" if path else name: owner
+        for path, owner in module.named_modules()
+        for name, _ in owner.named_parameters(recurse=False)
+    }
+    return [Named(prefix + name, p, owners[name]) for name, p in module.named_parameters()]
 
-    Returns the optimizer and the names of the frozen parameters it leaves out.
-    """
+
+def build_optimizer(
+    node: DictConfig, params: Union[nn.Module, list[Named]], key: str = "optimizer", group_prefix: str = ""
+) -> tuple[torch.optim.Optimizer, list[str]]:
+    """Any `torch.optim` optimizer by `_target_` (the node at `key`), over `params` (a module's, or those given),
+    in the groups of its `param_groups` rules, each named `group_prefix + <rule name>`. Returns the optimizer and
+    the names of the frozen parameters it leaves out."""
+    params = named_in(params) if isinstance(params, nn.Module) else params
     keys = cast(Iterable[str], node)  # config keys are strings
     options = OmegaConf.masked_copy(node, [k for k in keys if k != "param_groups"])
-    factory = build(options, "optimizer", partial=True, provided=("params",))
-    signature = inspect.signature(locate(node._target_, "optimizer")).parameters
-    rules = parse_rules(node.get("param_groups"), set(signature) - {"params", "self"})
+    factory = build(options, key, partial=True, provided=("params",))
+    signature = inspect.signature(locate(node._target_, key)).parameters
+    rules = parse_rules(node.get("param_groups"), set(signature) - {"params", "self"}, key)
     base = {name: p.default for name, p in signature.items() if p.default is not inspect.Parameter.empty}
     configured = cast(dict[str, Any], OmegaConf.to_container(options, resolve=True))
     base.update({k: v for k, v in configured.items() if not k.startswith("_")})
-    groups, frozen = resolve_groups(model, rules, base)
+    groups, frozen = resolve_groups(params, rules, base)
     if not groups:
-        raise ConfigError("model: it has no trainable parameters (every requires_grad is False)")
-    optimizer = factory([{"params": g.params, "name": g.name, "param_names": g.names, **g.options} for g in groups])
+        what = "model" if key == "optimizer" else f"{key}.owns"
+        raise ConfigError(f"{what}: it has no trainable parameters (every requires_grad is False)")
+    optimizer = factory(
+        [{"params": g.params, "name": group_prefix + g.name, "param_names": g.names, **g.options} for g in groups]
+    )
     return optimizer, frozen
 
 
@@ -259,11 +281,11 @@ def apply_changed_options(
     return rebased
 
 
-def group_names(optimizer: torch.optim.Optimizer) -> list[str]:
+def group_names(optimizer: HasGroups) -> list[str]:
     return [group.get("name", f"group{i}") for i, group in enumerate(optimizer.param_groups)]
 
 
-def describe_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+def describe_groups(optimizer: HasGroups) -> list[dict[str, Any]]:
     """The resolved groups as written to `param_groups.json`: name, lr, weight_decay, every option, params."""
     described = []
     for group in optimizer.param_groups:
@@ -289,7 +311,7 @@ def _is_plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str, tuple, list))
 
 
-def format_groups(optimizer: torch.optim.Optimizer, frozen: list[str]) -> str:
+def format_groups(optimizer: HasGroups, frozen: list[str]) -> str:
     """The table printed at start: group, tensors, elements, lr, weight_decay, first few names."""
     rows = [("group", "tensors", "elements", "lr", "weight_decay", "parameters")]
     for group in optimizer.param_groups:

@@ -50,8 +50,14 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """`loss.backward(...)`, scaled by the GradScaler under fp16."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward(*args, **kwargs)
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer`'s gradients as true ones under fp16 (once per step: `step` is then told `unscaled`)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
 
     def step(
         self,
@@ -60,10 +66,12 @@ class Precision:
         clip_norm: Optional[float],
         clip_value: Optional[float],
         before_step: Optional[Callable[[], None]] = None,
+        unscaled: bool = False,
     ) -> bool:
         """Clip and step; returns False when the GradScaler skipped the step (inf/NaN gradients).
-        `before_step` runs where the gradients are true ones: after unscaling, before clipping."""
-        if self.scaler is not None:
+        `before_step` runs where the gradients are true ones: after unscaling, before clipping. `unscaled`: the
+        caller unscaled them already (manual optimization's clip_gradients)."""
+        if self.scaler is not None and not unscaled:
             self.scaler.unscale_(optimizer)  # clipping must see true gradients, not scaled ones
         if before_step is not None:
             before_step()

@@ -155,6 +155,7 @@ def export(
     trust: bool = False,
     raw: bool = False,
     conf_dir: Optional[Path] = None,
+    given_example: bool = False,
 ) -> Exported:
     """Write the weights and each of `formats` under `out`, reload them, check each against the checkpoint's
     model on real batches (raises UserError, one line, outside tolerance), and write what was found to
@@ -164,7 +165,9 @@ def export(
     weights, which = eval_weights(checkpoint, raw)
     check_compatible(model, weights, f"checkpoint {checkpoint.path}", strict=True)
     model.load_state_dict(weights)
-    example = example_input(cfg, model, lambda: saved_config(checkpoint, trust, conf_dir, ("model", "task")))
+    example = example_input(
+        cfg, model, lambda: saved_config(checkpoint, trust, conf_dir, ("model", "task")), given=given_example
+    )
     _expected(model, example.batch)
 
     out.mkdir(parents=True, exist_ok=True)
@@ -447,6 +450,12 @@ def parser() -> argparse.ArgumentParser:
         help="how model.pt is made (default: trace, on the example batch)",
     )
     parser.add_argument(
+        "--example-input-array",
+        action="store_true",
+        help="export on the model's (else the task's) example_input_array, not on a batch of the data: a model "
+        "whose input is not the data's (a GAN's generator takes noise)",
+    )
+    parser.add_argument(
         "--raw", action="store_true", help="export the trained weights even where the run evaluated an EMA of them"
     )
     parser.add_argument(
@@ -476,7 +485,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         out = args.out or default_out(checkpoint)
         check_out(out)
         exported = export(
-            checkpoint, out, formats, args.torchscript, args.trust_saved_config, args.raw, args.config_dir
+            checkpoint,
+            out,
+            formats,
+            args.torchscript,
+            args.trust_saved_config,
+            args.raw,
+            args.config_dir,
+            args.example_input_array,
         )
     except UserError as err:
         print(f"Error: {err}", file=sys.stderr)

@@ -30,9 +30,20 @@ class Example:
     warnings: list[str] = field(default_factory=list)
 
 
-def example_input(cfg: DictConfig, model: torch.nn.Module, task_config: Callable[[], DictConfig]) -> Example:
-    """A real batch of the run's data (`data_example`); where the data cannot be built, the model's or the task's
-    (built from `task_config()`) `example_input_array`; else one line naming what is missing."""
+def example_input(
+    cfg: DictConfig, model: torch.nn.Module, task_config: Callable[[], DictConfig], given: bool = False
+) -> Example:
+    """A real batch of the run's data (`data_example`); where the data cannot be built, or with `given`
+    (`--example-input-array`), the model's or the task's (built from `task_config()`) `example_input_array`; else one
+    line naming what is missing."""
+    if given:
+        chosen = example_input_array(model, task_config)
+        if chosen is None:
+            raise UserError(
+                "--example-input-array: neither the model nor the task has an example_input_array; expected one "
+                "(a tensor, as in Lightning), or no flag to export on a batch of the run's data"
+            )
+        return chosen
     try:
         example = data_example(cfg)
     except UserError as err:
@@ -41,16 +52,16 @@ def example_input(cfg: DictConfig, model: torch.nn.Module, task_config: Callable
         if example is not None:
             return example
         reason = f"none of data.{', data.'.join(SPLITS)} gives a batch"
-    given = example_input_array(model, task_config)
-    if given is None:
+    found = example_input_array(model, task_config)
+    if found is None:
         raise UserError(
             f"no example batch to export on: the run's data could not be built ({reason}); expected its files "
             "where the saved config says (run export from the folder the run was trained in, or put them back), "
             "or an example_input_array on the model"
         )
-    note = f"the run's data could not be built ({reason}); exported on the {given.source} instead"
-    given.warnings.append(note)
-    return given
+    note = f"the run's data could not be built ({reason}); exported on the {found.source} instead"
+    found.warnings.append(note)
+    return found
 
 
 def data_example(cfg: DictConfig) -> Optional[Example]:

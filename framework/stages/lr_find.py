@@ -30,6 +30,7 @@ from omegaconf import DictConfig, open_dict
 
 from framework.callbacks import task_hooks
 from framework.core import reproducibility
+from framework.core.errors import ConfigError
 from framework.core.files import write_json
 from framework.loop.evaluate import move_to
 from framework.loop.preflight import check_first_batches
@@ -98,6 +99,12 @@ def find_lr(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, Any]] = 
             cfg.lr_find.num_steps,
         )
     try:
+        if not run.optimizers.single or not run.task.automatic_optimization:
+            raise ConfigError(
+                f"lr_find: {type(run.task).__name__} has {len(run.optimizers)} optimizer(s) under "
+                f"{'automatic' if run.task.automatic_optimization else 'manual'} optimization; lr_find sweeps one "
+                "optimizer that the loop steps (automatic optimization)"
+            )
         check_first_batches(run.task, run.model_attr, run.evaluator, {}, ("train",))  # a mismatch: one line
         if not cfg.trainer.dry_run:  # (a dry run: built and checked, nothing trained)
             with kept_states(run), swapped(run.task, run.model_attr, run.model):
@@ -134,15 +141,15 @@ def find_lr(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, Any]] = 
 def kept_states(run: Run) -> Iterator[None]:
     """The model (buffers included), optimizer (its lrs and momenta), precision (GradScaler) and RNG states as they
     were before, whatever happens inside: the range test leaves the run as it found it."""
-    saved = [copy.deepcopy(part.state_dict()) for part in (run.module, run.optimizer, run.precision)]
+    saved = [copy.deepcopy(part.state_dict()) for part in (run.module, run.optimizers, run.precision)]
     rng = reproducibility.rng_state(run.device)
     try:
         yield
     finally:
         run.module.load_state_dict(saved[0])
-        run.optimizer.load_state_dict(saved[1])
+        run.optimizers.load_state_dict(saved[1])
         run.precision.load_state_dict(saved[2])
-        run.optimizer.zero_grad(set_to_none=True)
+        run.optimizers.only.zero_grad(set_to_none=True)
         reproducibility.set_rng_state(rng, run.device)
 
 
@@ -150,13 +157,13 @@ def range_test(run: Run, settings: DictConfig) -> Curve:
     """Train `settings.num_steps` optimizer steps at exponentially growing lrs; the curve every rank agrees on."""
     lrs = schedule(settings.min_lr, settings.max_lr, settings.num_steps)
     base = float(run.cfg.optimizer.lr)
-    group_lrs = [float(g.get("initial_lr", g["lr"])) for g in run.optimizer.param_groups]  # a scheduler's start
+    group_lrs = [float(g.get("initial_lr", g["lr"])) for g in run.optimizers.only.param_groups]  # a scheduler's start
     beta, threshold = settings.smoothing, settings.early_stop_threshold
     curve, average, best = Curve(), 0.0, math.inf
     batches = _train_batches(run)
     run.task.train()
     for i, lr in enumerate(lrs):
-        for group, group_lr in zip(run.optimizer.param_groups, group_lrs):
+        for group, group_lr in zip(run.optimizers.only.param_groups, group_lrs):
             group["lr"] = group_lr * lr / base  # the groups' multipliers hold
         loss = _optimizer_step(run, batches, i)
         average = beta * average + (1 - beta) * loss
@@ -202,8 +209,9 @@ def _optimizer_step(run: Run, batches: Iterator[Any], step: int) -> float:
                 out = as_step_output(out, f"{type(run.task).__name__}.training_step", training=True)
             precision.backward(out.loss / accumulate if accumulate > 1 else out.loss)
         total += out.loss.detach().float()
-    precision.step(run.optimizer, run.params, run.limits.grad_clip_norm, run.limits.grad_clip_value)
-    run.optimizer.zero_grad(set_to_none=True)
+    optimizer = run.optimizers.only
+    precision.step(optimizer, run.params, run.limits.grad_clip_norm, run.limits.grad_clip_value)
+    optimizer.zero_grad(set_to_none=True)
     total = run.strategy.all_reduce_sum(total) / (accumulate * run.strategy.world_size)
     return float(total)  # the stop is decided on it: one host sync per step (this is no training loop)
 

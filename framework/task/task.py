@@ -167,6 +167,46 @@ class Task(nn.Module):
     def current_epoch(self) -> int:
         return self.trainer.current_epoch if self.trainer is not None else 0
 
+    # ------------------------------------------------------------------ optimizers (framework/loop/manual.py)
+    # Lightning's switch: False, and training_step zeroes, back-propagates (manual_backward) and steps the optimizers
+    # it gets from self.optimizers() itself. Several optimizers need it.
+    automatic_optimization: bool = True
+
+    def _optimizers(self, call: str) -> Any:
+        if self.trainer is None:
+            raise UserError(f"{type(self).__name__}.{call}: the task is not in a run (its trainer is None)")
+        return self.trainer.task_optimizers
+
+    def optimizers(self, use_pl_optimizer: bool = True) -> Any:
+        """The run's optimizer, or the list of its named optimizers in config order (Lightning's); each steps
+        through the run's precision (the GradScaler under fp16)."""
+        return self._optimizers("optimizers()").optimizers()
+
+    def lr_schedulers(self) -> Any:
+        """The optimizers' torch schedulers: one, a list in config order, or None (Lightning's). Under manual
+        optimization the task steps them."""
+        return self._optimizers("lr_schedulers()").lr_schedulers(self.trainer.scheduler)
+
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Lightning's: `loss.backward()` as the run's precision does it (scaled under fp16)."""
+        self._optimizers("manual_backward").backward(loss, *args, **kwargs)
+
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Lightning's: only `optimizer`'s parameters require gradients until `untoggle_optimizer`."""
+        self._optimizers("toggle_optimizer").toggle(optimizer)
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        self._optimizers("untoggle_optimizer").untoggle(optimizer)
+
+    def clip_gradients(
+        self,
+        optimizer: Any,
+        gradient_clip_val: Optional[float] = None,
+        gradient_clip_algorithm: Optional[str] = None,
+    ) -> None:
+        """Lightning's: clip `optimizer`'s gradients by norm (default) or value, unscaled first under fp16."""
+        self._optimizers("clip_gradients").clip(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def epoch_metrics(self, split: str) -> dict[str, torch.Tensor]:
         """Stateful metrics (e.g. torchmetrics) of the evaluation of `split` ("val" or "test") that just ended,
         computed over every batch and every rank, then reset. The trainer calls it on every rank after the
@@ -221,7 +261,7 @@ class Task(nn.Module):
                 f"task: {name} on the first {split} batch ({describe(batch)}) raised "
                 f"{error_line(err)}; expected a batch it takes {FULL_ERROR_HINT}"
             ) from err
-        return as_step_output(out, name, training=split == "train")
+        return as_step_output(out, name, training=split == "train" and self.automatic_optimization)
 
 
 def batch_inputs(batch: Any) -> Any:
