@@ -19,7 +19,8 @@ from framework.checkpoint.state import TaskState
 from framework.core import reproducibility
 from framework.core.errors import ConfigError
 from framework.loop.evaluate import Evaluator, move_to
-from framework.observe.logged import as_tensor
+from framework.observe.best import Best
+from framework.observe.logged import as_tensor, stage_name
 from framework.task.task import StepOutput, Task, step_function, swapped, throwaway_copy
 
 log = logging.getLogger(__name__)
@@ -38,19 +39,22 @@ class _QuietLogger:
 
 class CheckHandle:
     """What the task's `trainer` is during the check: its logs are names only, kept to check the monitors
-    against; its logger writes nothing."""
+    against, and the directions they declare (`best`: the run's, where a direction that disagrees with another
+    is refused before training); its logger writes nothing."""
 
     logger = _QuietLogger()
     global_step = 0
     current_epoch = 0
 
-    def __init__(self, is_global_zero: bool) -> None:
-        self.stage, self.is_global_zero = "train", is_global_zero
+    def __init__(self, is_global_zero: bool, best: Best) -> None:
+        self.stage, self.is_global_zero, self.best = "train", is_global_zero, best
         self.callback_metrics: dict[str, float] = {}
         self.names: list[str] = []
 
-    def log_from_task(self, name: str, value: Any, **_options: Any) -> None:
+    def log_from_task(self, name: str, value: Any, best: Optional[str] = None, **_options: Any) -> None:
         as_tensor(name, value)  # a value of the wrong kind is refused here, before training
+        name = stage_name(name, self.stage)
+        self.best.declare_logged(name, value, best)
         if self.stage == "val":
             self.names.append(name)
 
@@ -68,7 +72,7 @@ def check_first_batches(
     on_validation_epoch_end); otherwise the first validation round decides."""
     strategy, rng = evaluator.strategy, reproducibility.rng_state()
     plain = strategy.unwrap(evaluator.model)
-    handle = CheckHandle(strategy.is_rank_zero)
+    handle = CheckHandle(strategy.is_rank_zero, evaluator.metric_logger.best)
     with swapped(task, model_attr, plain):
         try:
             shadow = throwaway_copy(task, plain, handle)
@@ -123,17 +127,23 @@ def _check(
                 move_to(batch, evaluator.device), split, input_shape=data.input_shape, num_classes=data.num_classes
             )
         if split == "val":
-            names = _val_names(out, shadow, handle.names)
+            names = _val_names(out, shadow, handle)
             _check_monitors(task, monitors, names)
     return names
 
 
-def _val_names(out: Optional[StepOutput], shadow: Task, logged: list[str]) -> list[str]:
+def _val_names(out: Optional[StepOutput], shadow: Task, handle: CheckHandle) -> list[str]:
+    """The names the first val batch shows; the directions its loss and `epoch_metrics`' Metrics declare."""
+    if out is not None and "val/loss" not in handle.names:  # (a val/loss the task logs is its own)
+        handle.best.declare_loss("val/loss", "validation_step")
+    epoch = shadow.epoch_metrics("val")
+    for name, value in epoch.items():
+        handle.best.declare_metric(f"val/{name}", value)
     names = [
         *(["val/loss"] if out is not None else []),
         *(f"val/{n}" for n in (out.metrics if out else {})),
-        *logged,
-        *(f"val/{name}" for name in shadow.epoch_metrics("val")),
+        *handle.names,
+        *(f"val/{name}" for name in epoch),
     ]
     return list(dict.fromkeys(names))
 

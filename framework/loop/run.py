@@ -27,6 +27,7 @@ from framework.loop.evaluate import Evaluator, move_to
 from framework.loop.restore import callbacks_check, optimizer_check, precision_check, restore
 from framework.loop.stop import Stop
 from framework.loop.view import RunView
+from framework.observe.best import MODES, Best
 from framework.observe.logged import TrainLog
 from framework.observe.metric_logger import MetricLogger
 from framework.observe.model_summary import summarize
@@ -145,6 +146,7 @@ def assemble(
     limits = limits_of(cfg, parts.data.has("val"))
     progress, stop = Progress(), Stop(strategy, t.min_epochs, t.min_steps)
     tensorboard, bar, metric_logger = _reporting(cfg, strategy, parts, limits, run_dir, resume_from)
+    declare_modes(parts, metric_logger.best)
     names = group_names(parts.optimizer)
     view = RunView(parts, names, metric_logger, progress, stop, strategy, limits, run_dir)
     parts.task.trainer = view  # Lightning's `self.trainer` (a view of the run, not the loop)
@@ -307,6 +309,20 @@ def check_monitors_exist(parts: Components) -> None:
             f"{key}={monitor!r}: this run has no validation split (data.val is null), so the "
             f"metric never exists; expected a data.val split, or {remedy}"
         )
+
+
+def declare_modes(parts: Components, best: Best) -> None:
+    """The directions the config's monitors (each with its mode) and the task (`metric_modes`) declare, checked
+    against each other now (framework/observe/best.py)."""
+    found = [
+        ("checkpoint", parts.checkpoints.monitor, parts.checkpoints.mode),
+        ("scheduler", getattr(parts.scheduler, "monitor", None), getattr(parts.scheduler, "mode", None)),
+        *((f"callbacks.{name}", getattr(c, "monitor", None), getattr(c, "mode", None)) for name, c in parts.callbacks),
+    ]
+    for where, monitor, mode in found:
+        if isinstance(monitor, str) and mode in MODES:
+            best.declare(monitor, mode, f"{where}.monitor={monitor!r} with {where}.mode={mode}")
+    best.declare_task(parts.task, "val")
 
 
 def restore_into(run: Run, checkpoint: Checkpoint) -> Any:

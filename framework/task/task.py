@@ -117,6 +117,8 @@ class Task(nn.Module):
         batch_size: Optional[int] = None,
         metric_attribute: Optional[str] = None,
         rank_zero_only: bool = False,
+        *,
+        best: Optional[str] = None,
     ) -> None:
         """Lightning's `self.log`, from a step or a hook: a tensor (kept on the device: no sync per step), a
         number, or a torchmetrics `Metric` (computed, over every rank, and reset at the epoch's or the
@@ -127,8 +129,10 @@ class Task(nn.Module):
         min over the epoch. `logger=False`: not written to TensorBoard, but in the summary, the progress bar and
         what callbacks and monitors see. Evaluation values are always reduced over every rank (`sync_dist` is
         what happens anyway); `sync_dist_group`, `rank_zero_only`, `enable_graph`, `add_dataloader_idx` and
-        `metric_attribute` change nothing here (see docs/coming_from_lightning.md). Outside a run it does
-        nothing."""
+        `metric_attribute` change nothing here (see docs/coming_from_lightning.md). `best` (not Lightning's):
+        "min" where lower is better, "max" where higher is; a validation metric gets `best/<name>`, its best value
+        over the run, only where its direction is declared (here, by a monitor's mode, a Metric's
+        `higher_is_better` or `metric_modes`; framework/observe/best.py). Outside a run it does nothing."""
         if self.trainer is not None:
             self.trainer.log_from_task(
                 name,
@@ -139,6 +143,7 @@ class Task(nn.Module):
                 logger=logger is not False,
                 reduce_fx=reduce_fx,
                 batch_size=batch_size,
+                best=best,
             )
 
     def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:
@@ -167,10 +172,18 @@ class Task(nn.Module):
     def current_epoch(self) -> int:
         return self.trainer.current_epoch if self.trainer is not None else 0
 
-    def epoch_metrics(self, split: str) -> dict[str, torch.Tensor]:
+    def epoch_metrics(self, split: str) -> dict[str, Any]:
         """Stateful metrics (e.g. torchmetrics) of the evaluation of `split` ("val" or "test") that just ended,
-        computed over every batch and every rank, then reset. The trainer calls it on every rank after the
-        last batch, and logs each as `<split>/<name>`. None by default."""
+        computed over every batch and every rank, then reset; or a torchmetrics `Metric` itself, which the trainer
+        computes (over every rank), resets, and whose `higher_is_better` is its direction. The trainer calls it on
+        every rank after the last batch, and logs each as `<split>/<name>`. None by default."""
+        return {}
+
+    def metric_modes(self) -> dict[str, str]:
+        """Whether each metric this task's steps return (`StepOutput.metrics`) or `epoch_metrics` computes is
+        better lower ("min") or higher ("max"), by its name without the split (`{"acc": "max"}`): what
+        `best/val/<name>` is kept by. A metric whose direction nothing declares (this, `self.log(..., best=)`, a
+        monitor's mode, a Metric's `higher_is_better`) gets no `best/*`. None by default."""
         return {}
 
     def on_validation_epoch_end(self) -> None:
