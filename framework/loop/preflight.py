@@ -21,7 +21,7 @@ from framework.core.errors import ConfigError
 from framework.loop.evaluate import Evaluator, move_to
 from framework.observe.best import Best
 from framework.observe.logged import as_tensor, stage_name
-from framework.task.task import StepOutput, Task, step_function, swapped, throwaway_copy
+from framework.task.task import STEPS, StepOutput, Task, step_function, swapped, throwaway_copy
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +117,7 @@ def _check(
         handle.stage = split
         if batch is None:
             if data.has(split) and strategy.collective_forward:  # this rank's shard is empty
-                method = "training_step" if split == "train" else "validation_step"
-                evaluator.idle_step(step_function(shadow, method), None)
+                evaluator.idle_step(step_function(shadow, STEPS[split]), None)
                 if split == "val":
                     shadow.epoch_metrics("val")  # synchronised over the ranks, as theirs
             continue

@@ -40,6 +40,7 @@ from framework.task.describe import describe
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 REDUCE_FX = ("mean", "sum", "max", "min")
+STEPS = {"train": "training_step", "val": "validation_step", "test": "test_step"}  # the step each split runs
 
 
 @dataclass
@@ -197,9 +198,13 @@ class Task(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must implement training_step(batch[, batch_idx])")
 
     def validation_step(self, batch: Any, batch_idx: int = 0) -> Any:
-        return step_function(self, "training_step")(batch, batch_idx)
+        """Not the task's unless it defines it: as in Lightning, a task without a validation_step of its own is not
+        validated at all (framework/loop/run.py decides it once, `evaluates`)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no validation_step: it is not validated")
 
     def test_step(self, batch: Any, batch_idx: int = 0) -> Any:
+        """`validation_step` by default (Lightning requires a test_step of its own); a task that defines neither
+        is not tested."""
         return step_function(self, "validation_step")(batch, batch_idx)
 
     def predict_step(self, batch: Any, batch_idx: int = 0) -> Any:
@@ -218,12 +223,12 @@ class Task(nn.Module):
     def check_batch(
         self, batch: Any, split: str, *, input_shape: Optional[Sequence[int]] = None, num_classes: Optional[int] = None
     ) -> Optional[StepOutput]:
-        """Run the step of `split` on its first batch (`training_step` for "train", `validation_step` for the
-        others; the trainer calls this on a throw-away copy of the task, in eval mode under no_grad) and report
+        """Run the step of `split` on its first batch (`training_step`, `validation_step` or `test_step`; the
+        trainer calls this on a throw-away copy of the task, in eval mode under no_grad) and report
         what fails as the task's. `input_shape` and `num_classes` are what `data` declares. Returns the step's
         output (None when a validation step returns nothing), whose metric names the trainer checks the monitors
         against."""
-        method = "training_step" if split == "train" else "validation_step"
+        method = STEPS[split]
         name = f"{type(self).__name__}.{method}"
         try:
             out = step_function(self, method)(batch, 0)
