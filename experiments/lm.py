@@ -103,6 +103,10 @@ class LanguageModelTask(Task):
         super().__init__(model)
         self._totals: dict[str, torch.Tensor] = {}  # split -> [sum of losses over bytes, bytes], on the device
 
+    def metric_modes(self) -> dict[str, str]:
+        """Next-byte accuracy is better higher, perplexity lower: what best/val/acc and best/val/ppl are kept by."""
+        return {"acc": "max", "ppl": "min"}
+
     def training_step(self, batch: Any) -> StepOutput:
         inputs, targets = batch
         logits = self.model(inputs)

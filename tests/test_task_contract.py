@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import output, read_scalars, run_cli
+from conftest import one_error_line, output, read_scalars, run_cli
 from torch import nn
 from torch.nn import functional as F
 
@@ -707,6 +707,26 @@ class LogsInValidationEnd(Lit):
         self.log("val/late", 1.0)
 
 
+class TrainingOnly(Task):
+    """A task with training_step alone (a GAN's shape): it logs a training metric of its own."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train/g_loss", loss)
+        return loss
+
+
+class TrainingAndTest(TrainingOnly):
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test/ce", F.cross_entropy(self.net(x), y))
+
+
 # ---------------------------------------------------------------------------------------------- 1. signatures
 @pytest.mark.parametrize("task", [BatchOnly, WithBatchIdx, WithDataloaderIdx, StarArgs], ids=lambda t: t.__name__)
 def test_every_lightning_step_signature_trains_and_gets_the_index_within_the_epoch(compose, tmp_path, task):
@@ -1199,3 +1219,48 @@ def test_a_validation_step_writing_to_self_logger_experiment_passes_the_pre_flig
 def test_a_task_reads_self_device_as_in_lightning(compose, tmp_path):
     _, summary = fit(compose, tmp_path, UsesDevice, "trainer.max_epochs=1", "trainer.test=false")
     assert summary["status"] == "ok"
+
+
+# ---------------------------------------------------------------------------------------------- no validation_step
+# As in Lightning: a task that defines no validation_step is not validated at all (its training_step is not run on
+# the val split), and not tested unless it defines test_step. Through the command line's path (in this process), so
+# that the pre-flight check, the summary and the stages are the user's.
+NO_VAL = ("callbacks=none", "checkpoint=none", "trainer.max_epochs=2", "trainer.limit_train_batches=3",
+          "trainer.log_every_n_steps=1", "~task.loss", "~task.metrics")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("task", [TrainingOnly, TrainingAndTest], ids=lambda t: t.__name__)
+def test_a_task_without_validation_step_is_never_validated_and_its_training_series_holds_training_points_only(
+        tmp_path, task):
+    proc = run_cli(tmp_path, *NO_VAL, f"task._target_={HERE}.{task.__name__}")
+    assert proc.returncode == 0, output(proc)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    scalars = read_scalars(tmp_path)
+    # One point per logging step (every step), none from a validation or a test running training_step.
+    assert [step for step, _ in scalars["train/g_loss"]] == [1, 2, 3, 4, 5, 6]
+    assert not [k for k in [*summary, *scalars] if k.startswith(("val/", "best/"))]
+    tested = {k for k in summary if k.startswith("test/")}
+    assert tested == ({"test/ce"} if task is TrainingAndTest else set())  # a test_step of its own: tested
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("overrides, key", [
+    (("checkpoint.monitor=val/loss", "checkpoint.save_top_k=1"), "checkpoint.monitor='val/loss'"),
+    ((EARLY_STOPPING,), "callbacks.early_stopping.monitor='val/loss'"),
+    (("scheduler=plateau",), "scheduler.monitor='val/loss'"),
+], ids=["checkpoint", "early_stopping", "scheduler"])
+def test_a_monitor_on_a_task_without_validation_step_is_one_error_line_naming_the_key(tmp_path, overrides, key):
+    line = one_error_line(run_cli(tmp_path / "run", *NO_VAL, f"task._target_={HERE}.TrainingOnly", *overrides))
+    assert key in line and "TrainingOnly defines no validation_step" in line, line
+
+
+@pytest.mark.e2e
+def test_validate_or_test_of_a_task_without_the_step_is_one_error_line(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(run_dir, *NO_VAL, f"task._target_={HERE}.TrainingOnly", "checkpoint.save_last=true")
+    assert proc.returncode == 0, output(proc)
+    for stage, says in (("validate", "TrainingOnly defines no validation_step"),
+                        ("test", "TrainingOnly defines no test_step (nor validation_step")):
+        line = one_error_line(run_cli(tmp_path / stage, stage, f"ckpt={run_dir}", fast=False))
+        assert says in line and "nothing to " + stage in line, line

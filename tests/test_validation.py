@@ -234,7 +234,8 @@ FIRST_BATCH = [
          id="dataset-without-_target_"),
     case("model._target_=test_validation.TwoOutputs", "~model.hidden", "~model.dropout",
          says=("model: returned a tuple of (shape (64, 10) float32", "expected a tensor of scores"), id="tuple-output"),
-    case("task._target_=test_validation.DictTask", "~task.loss", "~task.metrics",
+    case("task._target_=test_validation.DictTask", "~task.loss", "~task.metrics", "checkpoint.save_top_k=0",
+         "callbacks=none",  # (no validation_step: a monitor of the default config would be refused first)
          says=("task: DictTask.training_step on the first train batch (a tuple of (shape (64, 1, 8, 8) float32",
                "raised TypeError"), id="own-task-fails"),
     case("+task.loss.reduction=none", says=("task.loss: CrossEntropyLoss returned shape (64,) float32",

@@ -4,7 +4,8 @@ The pass runs the task's step on the unwrapped (for DDP: rank 0's buffers broadc
 `eval()`, over unpadded shards. It sums each step output × batch size on the device and reduces `(sums, count)`
 over the ranks once, so the means are exact whatever the shards' sizes. What the task logs goes to the metric
 logger's `EvalLog`; the task's epoch hooks run after the last batch, before that is computed, as in Lightning;
-then its stateful metrics (`epoch_metrics`, reduced by torchmetrics). Under FSDP a rank with fewer batches runs
+then its stateful metrics (`epoch_metrics`, reduced by torchmetrics). The loss it averages from what the steps
+return is declared lower-is-better (framework/observe/best.py). Under FSDP a rank with fewer batches runs
 empty ones, so every rank gathers the weights as often as the others.
 """
 
@@ -19,6 +20,7 @@ from torch import nn
 from framework.callbacks import task_hooks
 from framework.data.module import DataModule
 from framework.loop.build import limit
+from framework.observe.logged import is_metric
 from framework.observe.metric_logger import MetricLogger
 from framework.parallel.precision import Precision
 from framework.parallel.strategy import Strategy
@@ -123,13 +125,29 @@ class Evaluator:
                 for _ in range(rounds - batches):
                     self.idle_step(step_fn, batch)
                 task_hooks.call_if_defined(self.task, f"on_{hook}_epoch_end")
-                stateful = {f"{split}/{name}": float(v) for name, v in self.task.epoch_metrics(split).items()}
+                stateful = self.epoch_metrics(split)
         finally:
             self.task.train()
         outputs, values = logged.finish(self.strategy, self.task, sums, count)
+        if f"{split}/loss" in outputs and f"{split}/loss" not in values:  # the loss the steps returned: ours
+            self.metric_logger.best.declare_loss(f"{split}/loss", method)
         metrics = {**outputs, **values, **stateful}
         self.metric_logger.write(metrics, step)
         return metrics
+
+    def epoch_metrics(self, split: str) -> dict[str, float]:
+        """The task's `epoch_metrics` as `<split>/<name>`: a value it computed, or a torchmetrics Metric it returned,
+        computed here (over every rank) and reset, its `higher_is_better` its direction."""
+        values: dict[str, float] = {}
+        for name, value in self.task.epoch_metrics(split).items():
+            key = f"{split}/{name}"
+            if is_metric(value):
+                self.metric_logger.best.declare_metric(key, value)
+                values[key] = float(value.compute())
+                value.reset()
+            else:
+                values[key] = float(value)
+        return values
 
     def idle_step(self, step_fn: Callable[[Any, int], Any], batch: Any) -> None:
         """A step on no samples (`batch` cut to none, or this rank's first training batch), for the collectives

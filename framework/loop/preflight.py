@@ -19,8 +19,9 @@ from framework.checkpoint.state import TaskState
 from framework.core import reproducibility
 from framework.core.errors import ConfigError
 from framework.loop.evaluate import Evaluator, move_to
-from framework.observe.logged import as_tensor
-from framework.task.task import StepOutput, Task, step_function, swapped, throwaway_copy
+from framework.observe.best import Best
+from framework.observe.logged import as_tensor, stage_name
+from framework.task.task import STEPS, StepOutput, Task, step_function, swapped, throwaway_copy
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,8 @@ class NoSteps:
 
 class CheckHandle:
     """What the task's `trainer` is during the check: its logs are names only, kept to check the monitors
-    against; its logger writes nothing."""
+    against, and the directions they declare (`best`: the run's, where a direction that disagrees with another
+    is refused before training); its logger writes nothing."""
 
     logger = _QuietLogger()
     global_step = 0
@@ -87,14 +89,16 @@ class CheckHandle:
 
     scheduler = None
 
-    def __init__(self, is_global_zero: bool, optimizers: int = 1, schedules: int = 0) -> None:
-        self.stage, self.is_global_zero = "train", is_global_zero
+    def __init__(self, is_global_zero: bool, best: Best, optimizers: int = 1, schedules: int = 0) -> None:
+        self.stage, self.is_global_zero, self.best = "train", is_global_zero, best
         self.callback_metrics: dict[str, float] = {}
         self.names: list[str] = []
         self.task_optimizers = NoSteps(optimizers, schedules)  # a manual step's forward runs; nothing is stepped
 
-    def log_from_task(self, name: str, value: Any, **_options: Any) -> None:
+    def log_from_task(self, name: str, value: Any, best: Optional[str] = None, **_options: Any) -> None:
         as_tensor(name, value)  # a value of the wrong kind is refused here, before training
+        name = stage_name(name, self.stage)
+        self.best.declare_logged(name, value, best)
         if self.stage == "val":
             self.names.append(name)
 
@@ -115,7 +119,7 @@ def check_first_batches(
     run = task.trainer  # the run's view (its optimizers and schedules, for a manual step's count of them)
     schedules = run.task_optimizers.lr_schedulers(run.scheduler) if run is not None else None
     counts = (len(run.optimizers), len(schedules) if isinstance(schedules, list) else int(schedules is not None))
-    handle = CheckHandle(strategy.is_rank_zero, *(counts if run is not None else (1, 0)))
+    handle = CheckHandle(strategy.is_rank_zero, evaluator.metric_logger.best, *(counts if run is not None else (1, 0)))
     with swapped(task, model_attr, plain):
         try:
             shadow = throwaway_copy(task, plain, handle)
@@ -160,8 +164,7 @@ def _check(
         handle.stage = split
         if batch is None:
             if data.has(split) and strategy.collective_forward:  # this rank's shard is empty
-                method = "training_step" if split == "train" else "validation_step"
-                evaluator.idle_step(step_function(shadow, method), None)
+                evaluator.idle_step(step_function(shadow, STEPS[split]), None)
                 if split == "val":
                     shadow.epoch_metrics("val")  # synchronised over the ranks, as theirs
             continue
@@ -170,17 +173,23 @@ def _check(
                 move_to(batch, evaluator.device), split, input_shape=data.input_shape, num_classes=data.num_classes
             )
         if split == "val":
-            names = _val_names(out, shadow, handle.names)
+            names = _val_names(out, shadow, handle)
             _check_monitors(task, monitors, names)
     return names
 
 
-def _val_names(out: Optional[StepOutput], shadow: Task, logged: list[str]) -> list[str]:
+def _val_names(out: Optional[StepOutput], shadow: Task, handle: CheckHandle) -> list[str]:
+    """The names the first val batch shows; the directions its loss and `epoch_metrics`' Metrics declare."""
+    if out is not None and "val/loss" not in handle.names:  # (a val/loss the task logs is its own)
+        handle.best.declare_loss("val/loss", "validation_step")
+    epoch = shadow.epoch_metrics("val")
+    for name, value in epoch.items():
+        handle.best.declare_metric(f"val/{name}", value)
     names = [
         *(["val/loss"] if out is not None else []),
         *(f"val/{n}" for n in (out.metrics if out else {})),
-        *logged,
-        *(f"val/{name}" for name in shadow.epoch_metrics("val")),
+        *handle.names,
+        *(f"val/{name}" for name in epoch),
     ]
     return list(dict.fromkeys(names))
 

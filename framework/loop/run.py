@@ -27,6 +27,7 @@ from framework.loop.evaluate import Evaluator
 from framework.loop.restore import callbacks_check, optimizer_check, precision_check, restore
 from framework.loop.stop import Stop
 from framework.loop.view import RunView
+from framework.observe.best import MODES, Best
 from framework.observe.logged import TrainLog
 from framework.observe.metric_logger import MetricLogger
 from framework.observe.progress import ProgressBar
@@ -52,8 +53,10 @@ class Limits:
     fast_dev_run: bool
     accumulate: int
     log_every_n_steps: int
-    val_every_n_steps: int  # 0: validation by epoch only (or no val split)
+    val_every_n_steps: int  # 0: validation by epoch only (or no validation)
     val_every_n_epochs: int
+    validates: bool  # there is validation: a val split and a task with validation_step (`evaluates`)
+    tests: bool  # fit tests at its end: trainer.test, a test split and a step for it
     grad_clip_norm: Optional[float]
     grad_clip_value: Optional[float]
     on_signal: bool  # a watched signal saves `last` and stops the run
@@ -110,20 +113,30 @@ class Run:
         return self.strategy.unwrap(self.model)
 
 
-def limits_of(cfg: DictConfig, has_val: bool) -> Limits:
-    t = cfg.trainer
+def limits_of(cfg: DictConfig, data: DataModule, task: Task) -> Limits:
+    t, validates = cfg.trainer, evaluates(data, task, "val")
     return Limits(
         max_steps=1 if t.fast_dev_run else t.max_steps,
         max_epochs=1 if t.fast_dev_run else t.max_epochs,
         fast_dev_run=t.fast_dev_run,
         accumulate=t.accumulate_grad_batches,
         log_every_n_steps=t.log_every_n_steps,
-        val_every_n_steps=t.val_every_n_steps if has_val else 0,
+        val_every_n_steps=t.val_every_n_steps if validates else 0,
         val_every_n_epochs=t.val_every_n_epochs,
+        validates=validates,
+        tests=bool(t.test) and evaluates(data, task, "test"),
         grad_clip_norm=t.grad_clip_norm,
         grad_clip_value=t.grad_clip_value,
         on_signal=cfg.checkpoint.on_signal and not t.fast_dev_run,
     )
+
+
+def evaluates(data: DataModule, task: Task, split: str) -> bool:
+    """Whether `split` ("val" or "test") is evaluated at all: the data has it and the task has a step for it. As in
+    Lightning, a task that defines no validation_step (anywhere below Task) is not validated; a test runs its
+    test_step, else its validation_step (ours, not Lightning's, which requires a test_step)."""
+    steps = ("validation_step",) if split == "val" else ("test_step", "validation_step")
+    return data.has(split) and any(task_hooks.defines(task, step) for step in steps)
 
 
 def assemble(
@@ -142,9 +155,10 @@ def assemble(
     run_dir, resume_from = _agree_on_run(strategy, run_dir, resume_from)
     parts = build_components(cfg, strategy, run_dir)
     check_monitors_exist(parts)
-    limits = limits_of(cfg, parts.data.has("val"))
+    limits = limits_of(cfg, parts.data, parts.task)
     progress, stop = Progress(), Stop(strategy, t.min_epochs, t.min_steps)
     tensorboard, bar, metric_logger = _reporting(cfg, strategy, parts, limits, run_dir, resume_from)
+    declare_modes(parts, metric_logger.best)
     names = group_names(parts.optimizers)
     view = RunView(parts, names, metric_logger, progress, stop, strategy, limits, run_dir)
     parts.task.trainer = view  # Lightning's `self.trainer` (a view of the run, not the loop)
@@ -301,15 +315,33 @@ def monitors(parts: Any) -> dict[str, str]:
 
 
 def check_monitors_exist(parts: Components) -> None:
-    """A monitor with no validation split to compute it is an error at start, not after the first epoch."""
-    if parts.data.has("val"):
+    """A monitor with no validation to compute it (no val split, or a task without validation_step) is an error at
+    start, not after the first epoch."""
+    if evaluates(parts.data, parts.task, "val"):
         return
-    for key, monitor in monitors(parts).items():  # (checkpoint's: config validation already refused it)
-        remedy = "scheduler.monitor=null" if key == "scheduler.monitor" else f"{key.rsplit('.', 1)[0]}=null"
-        raise ConfigError(
-            f"{key}={monitor!r}: this run has no validation split (data.val is null), so the "
-            f"metric never exists; expected a data.val split, or {remedy}"
+    for key, monitor in monitors(parts).items():
+        remedies = {"scheduler.monitor": "scheduler.monitor=null", "checkpoint.monitor": "checkpoint.save_top_k=0"}
+        remedy, task = remedies.get(key, f"{key.rsplit('.', 1)[0]}=null"), type(parts.task).__name__
+        why, wanted = (
+            ("this run has no validation split (data.val is null)", "a data.val split")
+            if not parts.data.has("val")
+            else (f"the task {task} defines no validation_step (it is not validated)", f"a validation_step in {task}")
         )
+        raise ConfigError(f"{key}={monitor!r}: {why}, so the metric never exists; expected {wanted}, or {remedy}")
+
+
+def declare_modes(parts: Components, best: Best) -> None:
+    """The directions the config's monitors (each with its mode) and the task (`metric_modes`) declare, checked
+    against each other now (framework/observe/best.py)."""
+    found = [
+        ("checkpoint", parts.checkpoints.monitor, parts.checkpoints.mode),
+        ("scheduler", getattr(parts.scheduler, "monitor", None), getattr(parts.scheduler, "mode", None)),
+        *((f"callbacks.{name}", getattr(c, "monitor", None), getattr(c, "mode", None)) for name, c in parts.callbacks),
+    ]
+    for where, monitor, mode in found:
+        if isinstance(monitor, str) and mode in MODES:
+            best.declare(monitor, mode, f"{where}.monitor={monitor!r} with {where}.mode={mode}")
+    best.declare_task(parts.task, "val")
 
 
 def restore_into(run: Run, checkpoint: Checkpoint) -> Any:

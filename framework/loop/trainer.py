@@ -66,7 +66,8 @@ class Trainer:
         if run.resume_from is not None:
             self._saved_task_state = restore_into(run, run.resume_from)
         self._started_at = (time.perf_counter(), run.progress.step)
-        val_names = check_first_batches(run.task, run.model_attr, run.evaluator, monitors(run))
+        splits = ("train", "val") if run.limits.validates else ("train",)
+        val_names = check_first_batches(run.task, run.model_attr, run.evaluator, monitors(run), splits)
         report_setup(run, charts=[*monitors(run).values(), *val_names])
         if run.cfg.trainer.dry_run:
             run.metric_logger.close()
@@ -120,14 +121,14 @@ class Trainer:
         run.bar.close()
         if run.stop.reason and run.strategy.is_rank_zero:
             log.warning("Stopped at step %d (epoch %d): %s", p.step, p.epoch, run.stop.reason)
-        if run.data.has("val") and p.last_val_step != p.step:
+        if run.limits.validates and p.last_val_step != p.step:
             self.validation.validate()
         if run.checkpoints.save_last and run.checkpoints.saved_step != p.step:
             self._save(periodic=False)
         with self.profiler.phase("checkpoint"):
             run.checkpoints.writer.close()  # every checkpoint on disk before the summary names them
         self.hooks.quiet("on_train_end")
-        if run.cfg.trainer.test and run.data.has("test"):
+        if run.limits.tests:
             self.validation.test()
         summary = fit_summary(run, time.perf_counter() - start, self.validation.tested)
         self.profiler.finish(summary, run.tensorboard, p.step)  # trainer.profiler=simple's figures, in the summary
@@ -149,7 +150,7 @@ class Trainer:
         due = (p.epoch + 1) % limits.val_every_n_epochs == 0 or (
             limits.val_every_n_steps > 0 and p.step % limits.val_every_n_steps == 0
         )
-        val = self.validation.round() if run.data.has("val") and due and p.last_val_step != p.step else None
+        val = self.validation.round() if run.limits.validates and due and p.last_val_step != p.step else None
         self.hooks.epoch("on_train_epoch_end")
         train.update(run.metric_logger.end_epoch(run.task, p.step, {}))  # what the hooks logged
         p.epoch_done()

@@ -1,6 +1,6 @@
 """Validation and test within fit: the Evaluator's pass (framework/loop/evaluate.py) between Lightning's hooks, the
-monitors checked against the first round's metrics, `best/*` recorded, the scheduler that monitors a metric told,
-and the test of the weights `trainer.test_ckpt` names."""
+monitors checked against the first round's metrics, `best/*` recorded (framework/observe/best.py), the scheduler
+that monitors a metric told, and the test of the weights `trainer.test_ckpt` names."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class Validation:
         if not self.checked:
             check_monitors_logged(monitors(run), metrics)
             self.checked = True
-        run.metric_logger.record_best(metrics)
+        run.metric_logger.best.record(metrics)
         p.validated()
         self.hooks.quiet("on_validation_end", metrics)
         return metrics

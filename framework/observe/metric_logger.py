@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from framework.core.errors import ConfigError, UserError
+from framework.observe.best import Best
 from framework.observe.logged import (
     OWN_LOSS,
     EvalLog,
@@ -50,6 +51,7 @@ class MetricLogger:
         self.accumulate, self.steps_per_epoch = accumulate, steps_per_epoch
         self.trackers = Trackers()  # none until the run opens the config's (start_trackers)
         self.metrics: dict[str, float] = {}
+        self.best = Best(self.metrics)  # the metrics' declared directions, and best/* kept in `metrics`
         self.window = TrainLog(device)
         self.stage = "train"  # what the task's logs are taken as: train, val or test
         self._in_epoch_hook = False  # a training epoch hook is running: self.log defaults to on_epoch there
@@ -139,8 +141,10 @@ class MetricLogger:
         logger: bool = True,
         reduce_fx: Any = "mean",
         batch_size: Optional[int] = None,
+        best: Optional[str] = None,
     ) -> None:
-        """Task.log: what each stage does with it is in this module's docstring."""
+        """Task.log: what each stage does with it is in this module's docstring; `best` declares the direction
+        (framework/observe/best.py)."""
         fx = check_reduce_fx(name, reduce_fx) if reduce_fx != "mean" else "mean"
         tensor = as_tensor(name, value)
         if tensor is not None:
@@ -158,12 +162,15 @@ class MetricLogger:
             self.hidden.update((name, f"{name}_epoch"))
         weight = batch_size if batch_size is not None else self.batch_n
         if self.eval_log is not None:
+            self.best.declare_logged(name, value, best)
             if tensor is None:
                 self.eval_log.add_metric(name, self._metric_path(value, name))
             else:
                 self.eval_log.add(name, tensor, fx, weight)
             return
         self._task_train_names.add(name)
+        if best is not None:
+            self.best.declare_logged(name, value, best)
         on_step = (not self._in_epoch_hook) if on_step is None else on_step
         on_epoch = self._in_epoch_hook if on_epoch is None else on_epoch
         if on_step:
@@ -274,13 +281,6 @@ class MetricLogger:
             self._send({**values, **extras}, step)
             self.metrics.update(values)
         return values
-
-    def record_best(self, val: dict[str, float]) -> None:
-        """best/<name> over the run: the lowest loss or perplexity, the highest of the rest."""
-        for name, value in val.items():
-            best = self.metrics.get(f"best/{name}", value)
-            lower = "loss" in name or "ppl" in name or "perplexity" in name
-            self.metrics[f"best/{name}"] = min(best, value) if lower else max(best, value)
 
     def epoch_perf(
         self, step: int, samples: int, batches: int, seconds: float, data_wait: float, max_memory_mb: float

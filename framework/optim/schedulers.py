@@ -64,6 +64,12 @@ class Scheduler:
     factory: Callable[..., Any]  # rebuilds the same schedule on another optimizer (for the LR plan)
     length: int  # scheduler steps over the whole run
 
+    @property
+    def mode(self) -> Optional[str]:
+        """A monitoring scheduler's direction (ReduceLROnPlateau's `mode`: "min" or "max"), else None."""
+        mode = getattr(self.scheduler, "mode", None) if self.monitor is not None else None
+        return mode if mode in ("min", "max") else None
+
     def state_dict(self) -> dict[str, Any]:
         return self.scheduler.state_dict()
 

@@ -25,7 +25,7 @@ from framework.core.errors import ConfigError
 from framework.core.files import write_json
 from framework.loop.hooks import Hooks
 from framework.loop.preflight import check_first_batches
-from framework.loop.run import Run, assemble
+from framework.loop.run import Run, assemble, evaluates
 from framework.observe.summary import print_summary
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,13 @@ def evaluate(
             raise ConfigError(
                 f"data.{split}: null, so there is nothing to {stage}; expected a data.{split} split "
                 f"(e.g. data.{split}=... on the command line)"
+            )
+        if not evaluates(run.data, run.task, split):
+            task, steps = type(run.task).__name__, "validation_step" if split == "val" else "test_step"
+            raise ConfigError(
+                f"task._target_={cfg.task.get('_target_')!r}: {task} defines no {steps}"
+                f"{'' if split == 'val' else ' (nor validation_step, which a test runs by default)'}, so there is "
+                f"nothing to {stage}; expected a task with {steps}(self, batch[, batch_idx]), as Lightning does"
             )
         which = load_weights(run, checkpoint)
         check_first_batches(run.task, run.model_attr, run.evaluator, {}, (split,))  # data that does not fit: one line

@@ -38,6 +38,13 @@ class ClassificationTask(Task):
             {split: nn.ModuleDict(copy.deepcopy(stateful)) for split in ("val", "test")}
         )
 
+    def metric_modes(self) -> dict[str, str]:
+        """Each metric's own `higher_is_better` (torchmetrics' name; framework.task.metrics' have it too): a metric
+        without one (a plain function) gets no best/*."""
+        metrics: dict[str, Any] = {**self.metrics, **self.stateful_metrics["val"]}
+        declared = {name: getattr(metric, "higher_is_better", None) for name, metric in metrics.items()}
+        return {name: "max" if higher else "min" for name, higher in declared.items() if isinstance(higher, bool)}
+
     def training_step(self, batch: Any, batch_idx: int = 0) -> StepOutput:
         # Training metrics are left out on purpose: the hot path computes only what backward needs.
         inputs, target = batch

@@ -1,7 +1,8 @@
 """Metrics for tasks, of two kinds.
 
 Batch metrics: `(output, target) -> scalar tensor`, computed on device without a host sync; the trainer
-averages them over the epoch weighted by batch size, which is exact for means such as accuracy.
+averages them over the epoch weighted by batch size, which is exact for means such as accuracy. Their class's
+`higher_is_better`, as torchmetrics names it, is their direction (ClassificationTask.metric_modes).
 Stateful metrics: `torchmetrics.Metric` objects (update per batch, compute at epoch end over every rank,
 reset), for what a mean of batch values gets wrong, such as macro-F1 or AUROC.
 """
@@ -27,6 +28,8 @@ def is_stateful(metric: Any) -> bool:
 class Accuracy:
     """Share of samples whose target is among the `top_k` highest scores."""
 
+    higher_is_better = True  # as torchmetrics declares its metrics' direction: what best/val/<name> is kept by
+
     def __init__(self, top_k: int = 1) -> None:
         if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
             raise ValueError(f"top_k={top_k!r}: expected a whole number >= 1")
@@ -40,6 +43,8 @@ class Accuracy:
 
 
 class MeanAbsoluteError:
+    higher_is_better = False
+
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return (output - target).abs().mean()
 

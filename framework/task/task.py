@@ -40,6 +40,7 @@ from framework.task.describe import describe
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 REDUCE_FX = ("mean", "sum", "max", "min")
+STEPS = {"train": "training_step", "val": "validation_step", "test": "test_step"}  # the step each split runs
 
 
 @dataclass
@@ -117,6 +118,8 @@ class Task(nn.Module):
         batch_size: Optional[int] = None,
         metric_attribute: Optional[str] = None,
         rank_zero_only: bool = False,
+        *,
+        best: Optional[str] = None,
     ) -> None:
         """Lightning's `self.log`, from a step or a hook: a tensor (kept on the device: no sync per step), a
         number, or a torchmetrics `Metric` (computed, over every rank, and reset at the epoch's or the
@@ -127,8 +130,10 @@ class Task(nn.Module):
         min over the epoch. `logger=False`: not written to TensorBoard, but in the summary, the progress bar and
         what callbacks and monitors see. Evaluation values are always reduced over every rank (`sync_dist` is
         what happens anyway); `sync_dist_group`, `rank_zero_only`, `enable_graph`, `add_dataloader_idx` and
-        `metric_attribute` change nothing here (see docs/coming_from_lightning.md). Outside a run it does
-        nothing."""
+        `metric_attribute` change nothing here (see docs/coming_from_lightning.md). `best` (not Lightning's):
+        "min" where lower is better, "max" where higher is; a validation metric gets `best/<name>`, its best value
+        over the run, only where its direction is declared (here, by a monitor's mode, a Metric's
+        `higher_is_better` or `metric_modes`; framework/observe/best.py). Outside a run it does nothing."""
         if self.trainer is not None:
             self.trainer.log_from_task(
                 name,
@@ -139,6 +144,7 @@ class Task(nn.Module):
                 logger=logger is not False,
                 reduce_fx=reduce_fx,
                 batch_size=batch_size,
+                best=best,
             )
 
     def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:
@@ -207,10 +213,18 @@ class Task(nn.Module):
         """Lightning's: clip `optimizer`'s gradients by norm (default) or value, unscaled first under fp16."""
         self._optimizers("clip_gradients").clip(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
-    def epoch_metrics(self, split: str) -> dict[str, torch.Tensor]:
+    def epoch_metrics(self, split: str) -> dict[str, Any]:
         """Stateful metrics (e.g. torchmetrics) of the evaluation of `split` ("val" or "test") that just ended,
-        computed over every batch and every rank, then reset. The trainer calls it on every rank after the
-        last batch, and logs each as `<split>/<name>`. None by default."""
+        computed over every batch and every rank, then reset; or a torchmetrics `Metric` itself, which the trainer
+        computes (over every rank), resets, and whose `higher_is_better` is its direction. The trainer calls it on
+        every rank after the last batch, and logs each as `<split>/<name>`. None by default."""
+        return {}
+
+    def metric_modes(self) -> dict[str, str]:
+        """Whether each metric this task's steps return (`StepOutput.metrics`) or `epoch_metrics` computes is
+        better lower ("min") or higher ("max"), by its name without the split (`{"acc": "max"}`): what
+        `best/val/<name>` is kept by. A metric whose direction nothing declares (this, `self.log(..., best=)`, a
+        monitor's mode, a Metric's `higher_is_better`) gets no `best/*`. None by default."""
         return {}
 
     def on_validation_epoch_end(self) -> None:
@@ -224,9 +238,13 @@ class Task(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must implement training_step(batch[, batch_idx])")
 
     def validation_step(self, batch: Any, batch_idx: int = 0) -> Any:
-        return step_function(self, "training_step")(batch, batch_idx)
+        """Not the task's unless it defines it: as in Lightning, a task without a validation_step of its own is not
+        validated at all (framework/loop/run.py decides it once, `evaluates`)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no validation_step: it is not validated")
 
     def test_step(self, batch: Any, batch_idx: int = 0) -> Any:
+        """`validation_step` by default (Lightning requires a test_step of its own); a task that defines neither
+        is not tested."""
         return step_function(self, "validation_step")(batch, batch_idx)
 
     def predict_step(self, batch: Any, batch_idx: int = 0) -> Any:
@@ -245,12 +263,12 @@ class Task(nn.Module):
     def check_batch(
         self, batch: Any, split: str, *, input_shape: Optional[Sequence[int]] = None, num_classes: Optional[int] = None
     ) -> Optional[StepOutput]:
-        """Run the step of `split` on its first batch (`training_step` for "train", `validation_step` for the
-        others; the trainer calls this on a throw-away copy of the task, in eval mode under no_grad) and report
+        """Run the step of `split` on its first batch (`training_step`, `validation_step` or `test_step`; the
+        trainer calls this on a throw-away copy of the task, in eval mode under no_grad) and report
         what fails as the task's. `input_shape` and `num_classes` are what `data` declares. Returns the step's
         output (None when a validation step returns nothing), whose metric names the trainer checks the monitors
         against."""
-        method = "training_step" if split == "train" else "validation_step"
+        method = STEPS[split]
         name = f"{type(self).__name__}.{method}"
         try:
             out = step_function(self, method)(batch, 0)
