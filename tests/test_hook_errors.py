@@ -3,7 +3,7 @@ one `Error:` line naming `Class.hook`, never a traceback on the console: the tra
 says `status: failed`, and the same command, once the hook is fixed, starts the run again in its place (the failed
 attempt's files kept in failed-1/) or, where the attempt saved a checkpoint, is told the resume= that continues it
 (framework/core/errors.py `hook_caller`, framework/callbacks/base.py, framework/callbacks/task_hooks.py,
-framework/app/main.py, framework/app/rundir.py)."""
+framework/app/main.py, framework/app/rundir.py). And Lightning's `self.loggers` and `trainer.datamodule`."""
 from __future__ import annotations
 
 import json
@@ -13,11 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import TESTS, on_pythonpath, one_error_line, output, run_cli
 
 from framework.callbacks.base import Callback, CallbackList
 from framework.callbacks.task_hooks import call_if_defined
 from framework.core.errors import HookError, Interrupted, UserError
+from framework.data.module import DataModule
+from framework.loop.trainer import Trainer
+from framework.observe.tensorboard import TensorBoardLogger
+from framework.observe.trackers import CsvTracker
 from framework.task.classification import ClassificationTask
 
 pytestmark = pytest.mark.e2e
@@ -238,3 +243,35 @@ def test_a_stop_a_framework_error_and_ctrl_c_raised_in_a_hook_pass_through_uncha
     with pytest.raises(passes) as raised:
         hooks.call(hook, None, None, *([None] if hook == "on_before_zero_grad" else []))
     assert type(raised.value) is passes
+
+
+# ---------------------------------------------------------------------------------------------- Lightning's names
+class SeesLoggers(ClassificationTask):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[list[type]] = []
+
+    def on_train_epoch_end(self) -> None:
+        self.seen.append([type(logger) for logger in self.loggers])
+
+
+class SeesDataModule(Callback):
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+
+    def on_train_epoch_end(self, trainer: Any, task: Any) -> None:
+        self.seen.append(trainer.datamodule)
+
+
+@pytest.mark.unit
+def test_self_loggers_and_trainer_datamodule_are_lightnings(compose, tmp_path):
+    cfg = compose("logger.progress_bar=false", "trainer.test=false", "trainer.max_epochs=1",
+                  "trainer.limit_train_batches=2", "checkpoint=none", "logger=[tensorboard,csv]",
+                  "task._target_=test_hook_errors.SeesLoggers",
+                  "+callbacks.data._target_=test_hook_errors.SeesDataModule")
+    trainer = Trainer(cfg, tmp_path)
+    task, callback = trainer.run.task, dict(trainer.run.callbacks)["data"]
+    trainer.fit()
+    assert task.seen == [[TensorBoardLogger, CsvTracker]]
+    assert len(callback.seen) == 1 and callback.seen[0] is trainer.run.data and isinstance(callback.seen[0], DataModule)
+    assert ClassificationTask(torch.nn.Linear(2, 2)).loggers == []  # outside a run
