@@ -42,6 +42,12 @@ class BrokenEpochEnd(Callback):
             trainer.datamodul  # noqa: B018
 
 
+class BrokenOnRankZero(Callback):
+    def on_train_epoch_end(self, trainer: Any, task: Any) -> None:
+        if trainer.is_global_zero:  # the other rank waits in the next collective until the parent ends it
+            raise ValueError("rank 0 only")
+
+
 class BrokenSetup(Callback):
     def setup(self, trainer: Any, task: Any) -> None:
         if broken():
@@ -98,16 +104,17 @@ CASES = {
 }
 
 
-def failed(proc: Any, run_dir: Path, names: str) -> str:
-    """The checks every failed hook passes: one line naming it, the traceback in run.log, summary.json failed."""
+def failed(proc: Any, run_dir: Path, names: str, where: str = "") -> str:
+    """The checks every failed hook passes: one line naming it, the traceback in run.log, summary.json failed.
+    `where`: what the line says before the names (a spawned worker's rank)."""
     line = one_error_line(proc)  # exit code 1, no traceback, the Error: line last
-    assert line.startswith(f"Error: {names}"), line
+    assert line.startswith(f"Error: {where}{names}"), line
     assert f"its traceback is in {run_dir / 'run.log'}" in line, line
     log = (run_dir / "run.log").read_text()
     assert "Traceback (most recent call last)" in log and f"HookError: {names}" in log, log
     assert "The above exception was the direct cause" in log  # the hook's own exception, with its frames
     record = summary(run_dir)
-    assert record["status"] == "failed" and record["error"].startswith(names), record
+    assert record["status"] == "failed" and record["error"].startswith(f"{where}{names}"), record
     return line
 
 
@@ -141,6 +148,15 @@ def test_the_command_line_prints_no_traceback_for_a_hook_that_raises(tmp_path):
     again = run_cli(run_dir, *overrides, env={**env, FIXED: "1"}, process=True)
     assert again.returncode == 0, output(again)
     assert summary(run_dir)["status"] == "ok"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_hook_that_raises_in_a_spawned_ddp_worker_is_one_line_with_its_traceback_in_run_log(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(run_dir, "parallel=ddp", add("broken", "BrokenOnRankZero"), "trainer.limit_train_batches=3",
+                   env={"PYTHONPATH": on_pythonpath(TESTS)})
+    failed(proc, run_dir, "BrokenOnRankZero.on_train_epoch_end raised ValueError: rank 0 only", where="[rank 0] ")
 
 
 def test_a_hook_that_raises_after_a_checkpoint_names_the_resume_that_continues_the_run(tmp_path, monkeypatch):
