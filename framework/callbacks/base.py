@@ -18,6 +18,9 @@ What a callback may do with the trainer: read `global_step`, `current_epoch`, `c
 (the loop stops at the next optimizer-step boundary, every rank at the same one, saves `last`, then validates,
 tests and writes the summary naming the reason); log a scalar with `trainer.log(name, value)` (a tensor stays
 on the device until the next logging step: no host sync).
+
+An exception a hook raises ends the run with one line naming `Class.hook` (a HookError, framework/core/errors.py's
+`hook_caller`; its traceback goes to run.log); a UserError raised on purpose is reported as it is.
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ class Trainer(Protocol):
     def model(self) -> torch.nn.Module: ...
     @property
     def module(self) -> torch.nn.Module: ...
+    @property
+    def loggers(self) -> list[Any]: ...
 
     max_epochs: int
     max_steps: int
