@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from framework.core.errors import Interrupted, UserError, os_error_line
+from framework.core.errors import HookError, Interrupted, UserError, os_error_line
 from framework.core.runlog import RunLogHandler
 from framework.observe.progress import file_only
 from framework.observe.summary import SUMMARY_LOGGER
@@ -115,10 +115,10 @@ def spawn(
             pass
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
         if not errors.empty():
-            rank, message, signum = errors.get()
+            rank, message, signum, hook = errors.get()
             if signum is not None:  # saved on a signal: the parent's own handler (submitit's) may requeue
                 raise Interrupted(signum, message, previous.get(signum)) from None
-            raise UserError(message if nprocs == 1 else f"[rank {rank}] {message}") from None
+            raise (HookError if hook else UserError)(message if nprocs == 1 else f"[rank {rank}] {message}") from None
         if received:
             raise KeyboardInterrupt from None
         raise WorkerFailed(str(err).strip()) from None
@@ -200,13 +200,15 @@ def _worker(
 
     try:
         run_stage(cfg, run_dir, checkpoint, hparams, choices)
-    except UserError as err:  # reported once, by the parent, without a traceback
+    except UserError as err:  # reported once, by the parent, without a traceback (a hook's: in run.log)
+        if isinstance(err, HookError):
+            file_only("".join(traceback.format_exception(err)).rstrip())
         if rank == 0 or not isinstance(err, Interrupted):
-            errors.put((rank, str(err), getattr(err, "signum", None)))
+            errors.put((rank, str(err), getattr(err, "signum", None), isinstance(err, HookError)))
         sys.exit(1)
     except OSError as err:  # a full disk, an unwritable folder: one line by the parent, the traceback in run.log
         file_only("".join(traceback.format_exception(err)).rstrip())
-        errors.put((rank, os_error_line(err), None))
+        errors.put((rank, os_error_line(err), None, False))
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -34,7 +34,15 @@ from framework.config.saved import SavedRun, resumed_config
 from framework.config.trees import source_dir
 from framework.config.trust import check_saved_targets, conf_targets, targets
 from framework.config.validate import check_stage, validate
-from framework.core.errors import ConfigError, Interrupted, UserError, full_error, os_error_line
+from framework.core.errors import (
+    ConfigError,
+    HookError,
+    Interrupted,
+    UserError,
+    error_line,
+    full_error,
+    os_error_line,
+)
 from framework.core.files import write_json
 from framework.core.signals import STOP_ONLY
 from framework.observe import provenance, trackers
@@ -134,17 +142,52 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     """One job in this process, on the config Hydra composed for it (HydraConfig set): validate, settle the config,
     run the stage; its summary (summary.json's contents; {} for a dry run). A user's mistake is a UserError, an
     unwritable file an OSError (its traceback in run.log); either way, an attempt refused before it started leaves
-    nothing behind. The command line (`main`) and the Python API (framework/app/api.py) share it."""
+    nothing behind. A run that failed once started (a HookError: an exception in a hook of the user's code, whose
+    message then says what to do; or a crash) keeps its directory, with the traceback in run.log and summary.json's
+    `status: failed`, so that the same command goes on (`_take_over`). The command line (`main`) and the Python API
+    (framework/app/api.py) share it."""
     started: list[bool] = []
+    start = time.perf_counter()
     try:
         return _run(cfg, started)
     except Interrupted:
         raise
+    except HookError as err:  # the user's code raised in a hook: the run failed, its record is kept
+        _record_failure(err, start)
+        raise HookError(f"{err}; {_after_failure()}") from err.__cause__
     except (UserError, OSError) as err:
         if isinstance(err, OSError):
             file_only("".join(traceback.format_exception(err)).rstrip())
         _discard_attempt(started=bool(started))
         raise
+    except Exception as err:  # a crash (its traceback on the console): recorded as failed, for the same command
+        if started:
+            _record_failure(err, start)
+        raise
+
+
+def _record_failure(err: BaseException, start: float) -> None:
+    """A run that failed once started: its traceback in run.log (a spawned worker wrote its own there), summary.json
+    with `status: failed` and the error, as a sweep's failed job has (rank 0)."""
+    if err.__cause__ is not None or not isinstance(err, HookError):
+        file_only("".join(traceback.format_exception(err)).rstrip())
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if os.environ.get("RANK", "0") != "0" or not run_dir.is_dir():
+        return
+    message, seconds = str(err) if isinstance(err, UserError) else error_line(err), time.perf_counter() - start
+    try:
+        _write_summary(run_dir, {"status": "failed", "error": message, "seconds": round(seconds, 3)})
+    except OSError as write_err:  # the error that ended the run is the one to report
+        log.warning("%s: not written (%s)", run_dir / "summary.json", os_error_line(write_err))
+
+
+def _after_failure() -> str:
+    """What to do after a hook failed: where its traceback is, and the command that goes on once it is fixed."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    where = f"its traceback is in {run_dir / 'run.log'}"
+    if not resume.never_saved(run_dir):
+        return f"{where}; once it is fixed, resume={run_dir} continues the run from its newest checkpoint"
+    return f"{where}; once it is fixed, the same command starts the run again"
 
 
 def objective(cfg: DictConfig, summary: dict[str, Any]) -> Optional[float]:
@@ -188,14 +231,37 @@ def _run(cfg: DictConfig, started: Optional[list[bool]] = None) -> dict[str, Any
         validate(cfg)
     rank_zero = os.environ.get("RANK", "0") == "0"
     held = rank_zero and str(hydra_cfg.output_subdir or "").startswith(".hydra/")  # a run was there before
-    if held and not cfg.resume:
+    # A run that failed before its first checkpoint has nothing to continue: a fresh start takes its place.
+    fresh_start = not cfg.resume or cfg.resume == resume.AUTO
+    take_over = held and fresh_start and not multirun and resume.failed_unsaved(run_dir)
+    if held and not cfg.resume and not take_over:
         raise ConfigError(_new_run_refused(run_dir))
-    before = rundir.entries(run_dir) if rank_zero else frozenset()
+    before, own = (rundir.entries(run_dir) if rank_zero else frozenset()), [".hydra", "run.log"]
     with rundir.RunDirLock(run_dir) if rank_zero else contextlib.nullcontext():
+        if take_over:
+            before, own = _take_over(run_dir, str(hydra_cfg.output_subdir)), [".hydra"]  # run.log: the attempt's
+        held = held and not take_over
         cfg, summary = _train(cfg, run_dir, hydra_cfg, started, in_place=in_place, asked=asked, held=held)
     if rank_zero and cfg.trainer.fast_dev_run and not multirun:  # a check of the code, not a run: keep nothing
-        rundir.discard_dev_run(run_dir, before)
+        rundir.discard_dev_run(run_dir, before, own)
     return summary
+
+
+def _take_over(run_dir: Path, hydra_subdir: str) -> frozenset[str]:
+    """Set aside the failed attempt in `run_dir` (locked), checked again now that no other process can change it;
+    the directory's entries afterwards."""
+    error = resume.failure(run_dir)
+    if error is None or not resume.never_saved(run_dir):
+        raise ConfigError(_new_run_refused(run_dir))
+    aside = rundir.set_aside(run_dir, hydra_subdir)
+    log.info(
+        "%s: the run there failed before its first checkpoint (%s); its files are kept in %s, and this run "
+        "starts in its place (run.log goes on)",
+        run_dir,
+        error,
+        aside,
+    )
+    return rundir.entries(run_dir)
 
 
 def _evaluate(fresh: DictConfig) -> dict[str, Any]:
@@ -221,9 +287,14 @@ def _evaluate(fresh: DictConfig) -> dict[str, Any]:
             "parallel=fsdp: predict runs each process's own samples through the whole model, which a sharded one "
             "is not; expected parallel=ddp (or single), which loads the weights whole on each process"
         )
-    if rank_zero and str(hydra_cfg.output_subdir or "").startswith(".hydra/") and not _unfinished_predict(cfg, run_dir):
+    held = rank_zero and str(hydra_cfg.output_subdir or "").startswith(".hydra/")
+    held = held and not _unfinished_predict(cfg, run_dir)
+    take_over = held and resume.failed_unsaved(run_dir)  # an evaluation that failed: run again in its place
+    if held and not take_over:
         raise ConfigError(f"hydra.run.dir={str(run_dir)!r} already holds a run; expected another directory")
     with rundir.RunDirLock(run_dir) if rank_zero else contextlib.nullcontext():
+        if take_over:
+            _take_over(run_dir, str(hydra_cfg.output_subdir))
         recording = provenance.BackgroundWrite(run_dir, Path(hydra_cfg.runtime.cwd), overrides) if rank_zero else None
         try:  # (not `started`: a stage that fails leaves nothing behind, as a run refused at start)
             summary = launch(cfg, run_dir, checkpoint, None, choices)
@@ -242,8 +313,9 @@ def _task_overrides(hydra_cfg: HydraConf) -> list[str]:
 
 
 def _unfinished_predict(cfg: DictConfig, run_dir: Path) -> bool:
-    """A predict run in `run_dir` that did not finish, which the same command continues (its parts are kept)."""
-    if cfg.stage != "predict" or (run_dir / "summary.json").exists():
+    """A predict run in `run_dir` that did not finish (or failed), which the same command continues (its parts are
+    kept)."""
+    if cfg.stage != "predict" or ((run_dir / "summary.json").exists() and resume.failure(run_dir) is None):
         return False
     try:
         return OmegaConf.select(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), "stage") == "predict"
@@ -254,6 +326,12 @@ def _unfinished_predict(cfg: DictConfig, run_dir: Path) -> bool:
 def _new_run_refused(run_dir: Path) -> str:
     """The refusal of a new run into `run_dir`, with the way forward that works for what is there."""
     refused = f"hydra.run.dir={str(run_dir)!r} already holds a run, and a new run never replaces one"
+    error = resume.failure(run_dir)
+    if error is not None:  # and it saved a checkpoint (one that saved none is taken over)
+        return (
+            f"hydra.run.dir={str(run_dir)!r} holds a run that failed ({error}) after saving a checkpoint, and a new "
+            f"run never replaces one; expected resume={run_dir} to continue it, or another directory"
+        )
     if resume.finished_unsaved(run_dir):
         return f"{refused}; expected another directory (that run finished without a checkpoint to continue from)"
     return f"{refused}; expected resume={run_dir} to continue it, or another directory"
@@ -447,6 +525,8 @@ def _failed_job(err: BaseException, start: float, started: bool, status: str = "
         message = "KeyboardInterrupt: ended at once by SIGINT (Ctrl-C) or a second stop signal, without saving"
     else:
         message = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
+    if isinstance(err, HookError):  # one line, its traceback in run.log alone
+        file_only("".join(traceback.format_exception(err)).rstrip())
     if isinstance(err, (UserError, KeyboardInterrupt)):
         log.error("Error: %s", message)
     else:

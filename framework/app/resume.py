@@ -119,8 +119,27 @@ def never_saved(run_dir: Path) -> bool:
 
 
 def finished_unsaved(run_dir: Path) -> bool:
-    """A run that finished (its summary.json) without saving a checkpoint (checkpoint=none): nothing to continue."""
-    return (run_dir / "summary.json").exists() and never_saved(run_dir)
+    """A run that finished (its summary.json) without saving a checkpoint (checkpoint=none): nothing to continue.
+    Not a run that failed: that one starts again (`failed_unsaved`)."""
+    return (run_dir / "summary.json").exists() and never_saved(run_dir) and failure(run_dir) is None
+
+
+def failure(run_dir: Path) -> Optional[str]:
+    """The error that ended the run in `run_dir`, as its summary.json records it (`status: failed`: an exception in
+    a hook, a crash); None where the run did not fail, or has no readable summary."""
+    try:
+        summary = json.loads(read_record(run_dir / "summary.json"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(summary, dict) or summary.get("status") != "failed":
+        return None
+    return str(summary.get("error") or "an error")
+
+
+def failed_unsaved(run_dir: Path) -> bool:
+    """A run that failed before its first checkpoint: nothing to continue, so a new run may take its directory
+    over (framework/app/rundir.py sets its files aside)."""
+    return failure(run_dir) is not None and never_saved(run_dir)
 
 
 def find_checkpoint(resume: Optional[str], run_dir: Path) -> Optional[Any]:

@@ -1,5 +1,5 @@
-"""One run per directory: the lock a run holds on its directory, and cleaning up after an attempt refused or a
-fast_dev_run (which keeps nothing).
+"""One run per directory: the lock a run holds on its directory, cleaning up after an attempt refused or a
+fast_dev_run (which keeps nothing), and setting aside a failed attempt that a new run takes the place of.
 
 The lock is a POSIX record lock (`fcntl.lockf`) on `RUN_DIR/.lock`, held for the life of the process: the kernel
 releases it when the process dies however it dies, so a lock left by a killed run is simply free again (no
@@ -17,6 +17,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -103,11 +104,12 @@ def entries(run_dir: Path) -> frozenset[str]:
         return frozenset()
 
 
-def discard_dev_run(run_dir: Path, before: Iterable[str]) -> None:
+def discard_dev_run(run_dir: Path, before: Iterable[str], own: Iterable[str] = (".hydra", "run.log")) -> None:
     """Remove what a fast_dev_run wrote into `run_dir`, a directory that held no run: every entry that was not in
-    it `before` it started but Hydra's `.hydra/` and `run.log` (this invocation's own), then the directory itself
-    where nothing else is left. What was there before is not touched."""
-    kept = set(before) - {".hydra", "run.log"}
+    it `before` it started but those of `own` (this invocation's own: Hydra's `.hydra/`, and `run.log` unless it
+    holds a failed attempt's log), then the directory itself where nothing else is left. What was there before is
+    not touched."""
+    kept = set(before) - set(own)
     _close_file_logs(run_dir)
     for entry in sorted(entries(run_dir) - kept):
         path = run_dir / entry
@@ -119,3 +121,33 @@ def discard_dev_run(run_dir: Path, before: Iterable[str]) -> None:
     if not kept:
         with contextlib.suppress(OSError):
             run_dir.rmdir()
+
+
+FAILED_ATTEMPT = re.compile(r"failed-\d+")  # a failed attempt set aside, RUN_DIR/failed-<n>/
+
+
+def set_aside(run_dir: Path, hydra_subdir: str) -> Path:
+    """Make room in `run_dir` for a new run, where a run failed before its first checkpoint (which the caller
+    checked, holding the lock): every file of the failed attempt is moved into `RUN_DIR/failed-<n>/` (its
+    `.hydra/` records in `failed-<n>/.hydra/`), and this invocation's record, which Hydra wrote beside the failed
+    attempt's (`hydra_subdir`, `.hydra/attempt-<time>`), becomes the run's `.hydra/`. Nothing is deleted; run.log
+    stays where it is, continued by the new run, and failed attempts set aside before stay as they are. The
+    summary.json that marks the attempt as failed moves last: cut short, the next run finds it and goes on.
+    Returns the folder."""
+    n = 1
+    while (run_dir / f"failed-{n}").exists():
+        n += 1
+    aside, hydra, own = run_dir / f"failed-{n}", run_dir / ".hydra", run_dir / hydra_subdir
+    (aside / ".hydra").mkdir(parents=True)
+    staying = {"run.log", LOCK_FILE, ".hydra", "summary.json"}
+    for name in sorted(entries(run_dir)):
+        if name not in staying and not FAILED_ATTEMPT.fullmatch(name):
+            os.rename(run_dir / name, aside / name)
+    for path in sorted(hydra.iterdir()):
+        if path != own:
+            os.rename(path, aside / ".hydra" / path.name)
+    for path in sorted(own.iterdir()):
+        os.rename(path, hydra / path.name)
+    own.rmdir()
+    os.rename(run_dir / "summary.json", aside / "summary.json")
+    return aside

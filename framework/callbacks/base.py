@@ -18,6 +18,9 @@ What a callback may do with the trainer: read `global_step`, `current_epoch`, `c
 (the loop stops at the next optimizer-step boundary, every rank at the same one, saves `last`, then validates,
 tests and writes the summary naming the reason); log a scalar with `trainer.log(name, value)` (a tensor stays
 on the device until the next logging step: no host sync).
+
+An exception a hook raises ends the run with one line naming `Class.hook` (a HookError, framework/core/errors.py's
+`hook_caller`; its traceback goes to run.log); a UserError raised on purpose is reported as it is.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Union
 
 import torch
+
+from framework.core.errors import hook_caller
 
 if TYPE_CHECKING:
     from framework.task.task import Task
@@ -83,6 +88,8 @@ class Trainer(Protocol):
     def model(self) -> torch.nn.Module: ...
     @property
     def module(self) -> torch.nn.Module: ...
+    @property
+    def loggers(self) -> list[Any]: ...
 
     max_epochs: int
     max_steps: int
@@ -171,36 +178,31 @@ def _overrides(callback: Callback, hook: str) -> bool:
 
 class CallbackList:
     """The run's callbacks by config name, and per hook the bound methods of those that implement it. `first`
-    (the task's own Lightning hooks, framework/callbacks/task_hooks.py) runs before them and has no state."""
+    (the task's own Lightning hooks, framework/callbacks/task_hooks.py) runs before them and has no state.
+
+    Each hook's implementations are called through one `hook_caller`, made once: a callback's exception is a
+    HookError naming its class and the hook."""
 
     def __init__(self, callbacks: dict[str, Callback], first: Optional[Callback] = None) -> None:
         self.callbacks = dict(callbacks)
         every = ([first] if first is not None else []) + list(self.callbacks.values())
-        self.hooks: dict[str, list[Callable[..., None]]] = {
-            hook: [getattr(cb, hook) for cb in every if _overrides(cb, hook)] for hook in HOOKS
+        self.hooks: dict[str, list[tuple[str, Callable[..., None]]]] = {
+            hook: [(type(cb).__name__, getattr(cb, hook)) for cb in every if _overrides(cb, hook)] for hook in HOOKS
         }
+        self._callers = {hook: hook_caller(hook, found) if found else None for hook, found in self.hooks.items()}
 
     def __iter__(self) -> Iterator[tuple[str, Callback]]:
         return iter(self.callbacks.items())
 
     def call(self, hook: str, *args: Any) -> None:
-        for fn in self.hooks[hook]:
-            fn(*args)
+        caller = self._callers[hook]
+        if caller is not None:
+            caller(*args)
 
     def bound(self, hook: str) -> Optional[Callable[..., None]]:
         """One callable running every implementation of a per-step hook, or None when there is none (the loop
         then skips the call altogether)."""
-        fns = self.hooks[hook]
-        if not fns:
-            return None
-        if len(fns) == 1:
-            return fns[0]
-
-        def every(*args: Any) -> None:
-            for fn in fns:
-                fn(*args)
-
-        return every
+        return self._callers[hook]
 
     def state_dict(self) -> dict[str, Any]:
         return {name: cb.state_dict() for name, cb in self.callbacks.items()}

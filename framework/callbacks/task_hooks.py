@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from framework.callbacks.base import Callback
-from framework.core.errors import ConfigError
+from framework.core.errors import ConfigError, hook_caller
 
 # LightningModule methods the loop does not call, and what does their job here.
 REPLACED = {
@@ -105,14 +105,15 @@ def refuse_replaced(task: Any) -> None:
 
 
 def task_callback(task: Any) -> Optional[Callback]:
-    """A Callback calling each Lightning hook the task defines, or None when it defines none."""
+    """A Callback calling each Lightning hook the task defines, or None when it defines none. Its class has the
+    task's class name: an error in `on_train_epoch_end` names `MyTask.on_train_epoch_end`."""
     methods: dict[str, Callable[..., None]] = {}
     for hook, (name, convert) in _CALLED.items():
         if defines(task, name):
             methods[hook] = _caller(name, convert)
     if not methods:
         return None
-    return type(f"{type(task).__name__}Hooks", (Callback,), methods)()
+    return type(type(task).__name__, (Callback,), methods)()
 
 
 def _caller(name: str, convert: Callable[..., tuple]) -> Callable[..., None]:
@@ -124,6 +125,16 @@ def _caller(name: str, convert: Callable[..., tuple]) -> Callable[..., None]:
 
 
 def call_if_defined(task: Any, name: str, *args: Any) -> None:
-    """A hook the trainer calls itself (an evaluation's epoch hooks, teardown), when the task defines it."""
-    if defines(task, name):
-        getattr(task, name)(*args)
+    """A hook the trainer calls itself (setup, an evaluation's epoch hooks, teardown), when the task defines it; an
+    exception it raises is a HookError naming `MyTask.name` (framework/core/errors.py's `hook_caller`)."""
+    hook = bound_if_defined(task, name)
+    if hook is not None:
+        hook(*args)
+
+
+def bound_if_defined(task: Any, name: str) -> Optional[Callable[..., None]]:
+    """The task's hook `name` as one callable (an evaluation's per-batch hooks: bound once per evaluation), its
+    exceptions HookErrors; None when the task does not define it."""
+    if not defines(task, name):
+        return None
+    return hook_caller(name, [(type(task).__name__, getattr(task, name))])

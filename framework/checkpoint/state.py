@@ -20,6 +20,7 @@ import torch
 from framework.checkpoint import DamagedCheckpoint, validate_rng_state, validate_state
 from framework.checkpoint.format import plain_keys
 from framework.core import reproducibility
+from framework.core.errors import hook_caller
 from framework.task.metrics import is_stateful, load_metric_state, metric_state
 
 log = logging.getLogger(__name__)
@@ -177,7 +178,7 @@ class TaskState:
         hook: dict[str, Any] = {}
         save_hook = getattr(self.task, "on_save_checkpoint", None)
         if hooks and callable(save_hook):
-            save_hook(hook)
+            hook_caller("on_save_checkpoint", [(type(self.task).__name__, save_hook)])(hook)
         return {
             "metrics": {path: metric_state(m) for path, m in self.metrics().items()},
             "buffers": {name: b.detach().cpu() for name, b in self.buffers().items()},
@@ -219,7 +220,7 @@ class TaskState:
             log.info("resume: the task's %s not in the checkpoint: they start fresh", ", ".join(missing))
         load_hook = getattr(self.task, "on_load_checkpoint", None)
         if hooks and callable(load_hook):
-            load_hook(dict(mine["hook"]))
+            hook_caller("on_load_checkpoint", [(type(self.task).__name__, load_hook)])(dict(mine["hook"]))
 
 
 def _device_of(metric: torch.nn.Module) -> torch.device:

@@ -22,7 +22,7 @@ import hydra.utils
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from framework.core.errors import ConfigError, UserError
+from framework.core.errors import ConfigError, UserError, error_line
 
 _RESERVED = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
 FULL_ERROR_HINT = "(HYDRA_FULL_ERROR=1 shows the traceback)"
@@ -293,12 +293,3 @@ def _is_plain(value: Any) -> bool:
 def _raw(node: DictConfig, name: str) -> Any:
     """`node.name` as the user wrote it (an interpolation stays `${...}`, a missing value `???`), for messages."""
     return cast(dict, OmegaConf.to_container(node, resolve=False))[name]
-
-
-def error_line(err: BaseException) -> str:
-    """`Type: message` in one line, for messages that report an exception; for an error a DataLoader worker
-    re-raised, whose first line only says so, the worker's own last line."""
-    text = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
-    if len(text) > 1 and "Original Traceback" in str(err):
-        return text[-1]
-    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")

@@ -1,6 +1,8 @@
-"""The one exception type for user mistakes: the entry point prints its message alone and exits non-zero."""
+"""The one exception type for user mistakes: the entry point prints its message alone and exits non-zero. And the
+one place a hook of the user's code is called (`hook_caller`), where an exception it raises becomes one of them."""
 
 import os
+from typing import Any, Callable
 
 # Set by framework.app.cli when it asks Hydra to raise (HYDRA_FULL_ERROR=1) only to report errors in our own form.
 FORCED_FULL_ERROR = "FRAMEWORK_FORCED_HYDRA_FULL_ERROR"
@@ -19,6 +21,30 @@ class ConfigError(UserError):
     """A config value is wrong: the message names the key, the value and what was expected."""
 
 
+class HookError(UserError):
+    """A hook of the user's code (a callback's, or one of the task's Lightning hooks) raised: the message names
+    `Class.hook` and the exception, which is kept as `__cause__` (its traceback goes to run.log, not the console)."""
+
+
+def hook_caller(hook: str, found: list[tuple[str, Callable[..., Any]]]) -> Callable[..., None]:
+    """One callable running each `(owner, fn)` of `found` in order, `owner` the class an error names: how every hook
+    of the user's code is called (callbacks, the task's Lightning hooks, its checkpoint hooks). An exception a hook
+    raises becomes a HookError, `Owner.hook raised Type: message`, the exception its cause; a framework error it
+    raises deliberately (a UserError: a stop on a signal, a refusal) and KeyboardInterrupt pass through as they
+    are. The try costs nothing until a hook raises, so per-step hooks are called through it too."""
+
+    def every(*args: Any) -> None:
+        for owner, fn in found:
+            try:
+                fn(*args)
+            except UserError:
+                raise
+            except Exception as err:
+                raise HookError(f"{owner}.{hook} raised {error_line(err)}") from err
+
+    return every
+
+
 class Interrupted(UserError):
     """The run stopped on a signal after saving `last`; the app exits with 128 + the signal number."""
 
@@ -33,3 +59,12 @@ def os_error_line(err: OSError) -> str:
     what would fix it."""
     where = f"{err.filename}: " if err.filename else ""
     return f"{where}{err.strerror or err}; expected a file system with free space and write permission there"
+
+
+def error_line(err: BaseException) -> str:
+    """`Type: message` in one line, for messages that report an exception; for an error a DataLoader worker
+    re-raised, whose first line only says so, the worker's own last line."""
+    text = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    if len(text) > 1 and "Original Traceback" in str(err):
+        return text[-1]
+    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")

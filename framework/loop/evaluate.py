@@ -91,10 +91,7 @@ class Evaluator:
         rounds = max(self.strategy.gather_objects(batches)) if self.strategy.collective_forward else batches
         hook = "validation" if split == "val" else "test"
         batch_start, batch_end = (
-            getattr(self.task, f"on_{hook}_batch_{when}")
-            if task_hooks.defines(self.task, f"on_{hook}_batch_{when}")
-            else None
-            for when in ("start", "end")
+            task_hooks.bound_if_defined(self.task, f"on_{hook}_batch_{when}") for when in ("start", "end")
         )
         sums: dict[str, torch.Tensor] = {}
         count, batch = 0, None

@@ -304,7 +304,7 @@ class Trainer:
         try:
             self.hooks.call("on_exception", err)
         except Exception as hook_err:  # noqa: BLE001  (the error that ends the run is the one to report)
-            log.error("A callback's on_exception failed: %s: %s", type(hook_err).__name__, hook_err)
+            log.error("%s (the run ends on the error before it)", hook_err)  # a HookError names Class.on_exception
         try:
             self.run.checkpoints.writer.close()
         except Exception as save_err:  # noqa: BLE001

@@ -82,8 +82,9 @@ class RunView:
 
     @property
     def loggers(self) -> list[Any]:
-        """Lightning's list of loggers: TensorBoard's (its SummaryWriter is `.experiment`)."""
-        return [self.logger]
+        """Lightning's list of loggers: TensorBoard's (its SummaryWriter is `.experiment`) when it is on, then the
+        open trackers (CSV, MLflow, W&B; rank 0's, once the run has reported its setup)."""
+        return self._metrics.loggers()
 
     @property
     def module(self) -> nn.Module:

@@ -74,6 +74,11 @@ class MetricLogger:
         """The trackers the run opened (rank 0, once its setup is reported): from here they get every scalar."""
         self.trackers = trackers
 
+    def loggers(self) -> list[Any]:
+        """What the numbers go to now: TensorBoard's logger (when on) and the open trackers (Lightning's
+        `trainer.loggers`)."""
+        return [*([self.tensorboard] if self.tensorboard.enabled else []), *self.trackers.active]
+
     def _send(self, metrics: dict[str, float], step: int) -> None:
         """To TensorBoard and the trackers: every scalar but what the task logged with logger=False."""
         shown = {k: v for k, v in metrics.items() if k not in self.hidden}

@@ -159,6 +159,12 @@ class Task(nn.Module):
         return self.trainer.logger if self.trainer is not None else None
 
     @property
+    def loggers(self) -> list[Any]:
+        """Lightning's `self.loggers`: the run's TensorBoard logger (when on) and its open trackers (CSV, MLflow,
+        W&B), on rank 0; an empty list outside a run."""
+        return self.trainer.loggers if self.trainer is not None else []
+
+    @property
     def device(self) -> torch.device:
         """Lightning's `self.device`: where the task's parameters (else its buffers) are; the CPU without any."""
         for tensor in itertools.chain(self.parameters(), self.buffers()):
