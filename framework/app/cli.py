@@ -47,6 +47,7 @@ from framework.config.trees import framework_conf_dir, source_dir
 from framework.config.validate import STAGES
 from framework.core import signals, startup
 from framework.core.errors import FORCED_FULL_ERROR, full_error
+from framework.parallel.cluster import export_cluster_environment
 
 _FRAMEWORK_DIR = str(Path(__file__).resolve().parents[1]) + os.sep  # the framework package
 # Their frames in a traceback are Hydra's composing (FrameworkConfigs, the API's compose), not our code's.
@@ -85,6 +86,7 @@ def _main() -> None:
     Plugins.instance().register(FrameworkConfigs)
     sys.argv = with_stage(sys.argv)
     sys.argv, trees = _user_tree(sys.argv)
+    export_cluster_environment()  # an srun of several tasks: each a rank, as under torchrun
     sys.argv += launch.rank_zero_only_overrides()  # under torchrun: one run directory, from rank 0
     name = _option(sys.argv[1:], _CONFIG_NAME) or "config"
     sys.argv = resume.argv_with_saved_choices(sys.argv, [*trees, framework_conf_dir()], name)  # resume=...

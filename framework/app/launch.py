@@ -3,7 +3,8 @@
 `python run.py parallel=ddp` spawns one worker per device with torch.multiprocessing (loopback rendezvous
 on a free port); the parent only waits. torch's process context watches the workers: when one fails, the
 others are terminated (SIGTERM, then SIGKILL after a grace period), so a failure never hangs the job.
-Under torchrun the environment is already set and nothing is spawned here.
+Under torchrun the environment is already set and nothing is spawned here; a cluster job of several tasks (`srun`,
+submitit) gets it from the job's own (framework/parallel/cluster.py), each task one rank.
 """
 
 from __future__ import annotations
@@ -20,25 +21,57 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from framework.core.errors import HookError, Interrupted, UserError, os_error_line
+from framework.core.errors import ConfigError, HookError, Interrupted, UserError, os_error_line
 from framework.core.runlog import RunLogHandler
 from framework.observe.progress import file_only
 from framework.observe.summary import SUMMARY_LOGGER
+from framework.parallel.cluster import export_cluster_environment, tasks_as_ranks
 
 log = logging.getLogger(__name__)
 
 GRACE_PERIOD_S = 10.0
 
 
+QUIET = ("hydra.output_subdir=null", "hydra/job_logging=quiet")  # a non-zero rank: no `.hydra/`, errors only
+
+
 def rank_zero_only_overrides() -> list[str]:
-    """Hydra overrides for a non-zero rank under torchrun: every rank runs Hydra, and without these each
-    would make its own timestamped run directory. Rank 0 makes the one directory and tells the others."""
+    """Hydra overrides for a non-zero rank under torchrun, or of a cluster job whose tasks are its ranks (an `srun`
+    of several tasks: `export_cluster_environment` first): every rank runs Hydra, and without these each would
+    make its own timestamped run directory. Rank 0 makes the one directory and tells the others."""
     if os.environ.get("RANK", "0") == "0":
         return []
-    quiet = ["hydra.output_subdir=null", "hydra/job_logging=quiet"]
     if any(arg.startswith("hydra.run.dir=") for arg in sys.argv):  # fixed by the user: every rank agrees
-        return quiet
-    return ["hydra.run.dir=.", *quiet]
+        return list(QUIET)
+    return ["hydra.run.dir=.", *QUIET]
+
+
+def sweep_task_overrides() -> list[str]:
+    """In a task of a submitit job: its ranks, from the job's tasks (every task runs the whole Hydra job, in the job's
+    one directory); a non-zero rank's overrides, so that it writes no `.hydra/` there and logs errors only."""
+    export_cluster_environment()
+    return [] if os.environ.get("RANK", "0") == "0" else list(QUIET)
+
+
+def check_tasks_as_ranks(parallel: DictConfig) -> None:
+    """Where the ranks are a cluster job's tasks: each task is one process of a ddp or fsdp run, on one device."""
+    found = tasks_as_ranks()
+    if found is None:
+        return
+    source, tasks = found
+    job = f"a job of {tasks} tasks ({source})"
+    strategy = getattr(parallel.strategy, "value", parallel.strategy)
+    if strategy not in ("ddp", "fsdp"):
+        raise ConfigError(
+            f"parallel.strategy={strategy}: {job}: each task is a rank, so parallel.strategy={strategy} would train "
+            f"{tasks} unrelated runs; expected parallel=ddp or parallel=fsdp, or one task per job"
+        )
+    if parallel.devices not in (None, 1):
+        raise ConfigError(
+            f"parallel.devices={parallel.devices}: {job}: each task is one process, a rank on one device; expected "
+            "parallel.devices=1 (or null), with as many tasks per node as devices (SLURM's --ntasks-per-node, "
+            "hydra.launcher.tasks_per_node)"
+        )
 
 
 def free_port() -> int:

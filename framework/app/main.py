@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from framework import __version__
 from framework.app import resume, rundir, sweep
-from framework.app.launch import WorkerFailed, spawn
+from framework.app.launch import WorkerFailed, check_tasks_as_ranks, spawn
 from framework.app.sweep import DRY_RUN
 from framework.config.hints import check_closed_keys
 from framework.config.interpolation import nodes, resolve_calls
@@ -430,6 +430,7 @@ def _settled(
         resolve_all(cfg)
         validate(cfg)
     check_paths(cfg)
+    check_tasks_as_ranks(cfg.parallel)
     if cfg.get("init_from"):
         cfg.init_from = resume.find_weights(str(cfg.init_from))
     return cfg, choices
@@ -465,6 +466,8 @@ def _platform_start_method() -> Iterator[None]:
 
 def _sweep_job(cfg: DictConfig) -> float:
     """One job of a multirun: never raises (but for submitit's requeue), so a failing job cannot stop the others."""
+    if os.environ.get("RANK", "0") != "0":
+        return _sweep_job_rank(cfg)
     start = time.perf_counter()
     started: list[bool] = []
     try:
@@ -486,6 +489,31 @@ def _sweep_job(cfg: DictConfig) -> float:
         return float("nan")
     except Exception as err:  # noqa: BLE001  (recorded, reported at the end of the sweep)
         return _failed_job(err, start, bool(started))
+
+
+def _sweep_job_rank(cfg: DictConfig) -> float:
+    """A non-zero rank's part of a multirun job (a task of a submitit job of several tasks): the job's record is rank
+    0's, so this rank writes none. Its failure is one line here, then raised: the framework's submitit launcher
+    (hydra_plugins/htf_launchers) hands it to submitit as the task's, and the job is failed, whatever rank 0 wrote
+    (framework/app/sweep_launchers.py)."""
+    rank = os.environ["RANK"]
+    try:
+        with _platform_start_method():
+            found = objective(cfg, _run(cfg))
+        return float("nan") if found is None else found
+    except Interrupted as err:  # rank 0 saved, recorded and asked for the requeue
+        log.warning("%s", err)
+        return float("nan")
+    except UserError as err:
+        log.error("Error: %s", err)
+        raise RankFailed(f"rank {rank}: {err}") from None
+    except Exception as err:
+        log.error("Rank %s failed:\n%s", rank, "".join(traceback.format_exception(err)).rstrip())
+        raise RankFailed(f"rank {rank}: {error_line(err)}") from err
+
+
+class RankFailed(RuntimeError):
+    """A non-zero rank of a multirun job failed: its task failed, so the job did (framework/app/sweep_launchers.py)."""
 
 
 def _interrupted_job(cfg: DictConfig, err: Interrupted, start: float) -> float:

@@ -37,13 +37,12 @@ from omegaconf import DictConfig, OmegaConf
 from framework.checkpoint.discovery import holds_run, is_checkpoint, is_run_dir
 from framework.config.saved import SavedRun, from_checkpoint, from_hydra_record, hydra_choices, read_record
 from framework.core.errors import ConfigError
+from framework.parallel.cluster import INTERACTIVE_JOB_NAMES
 
 log = logging.getLogger(__name__)
 
 
 AUTO = "auto"
-# SLURM job names of an interactive allocation (salloc, srun --pty bash): runs started there by hand are no job's.
-INTERACTIVE_JOB_NAMES = ("bash", "sh", "zsh", "interactive")
 
 
 def job_identity() -> Optional[str]:

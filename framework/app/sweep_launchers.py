@@ -196,20 +196,65 @@ def _submitit_loss(err: Exception) -> tuple[str, str]:
     return "failed", f"{type(err).__name__}: {lines[0] if lines else ''}"
 
 
+def run_task(call: Callable[..., JobReturn], sweep_overrides: list[str], *args: Any) -> JobReturn:
+    """One task of a submitit job, in its process (the plugin's `__call__`, which runs the whole Hydra job in every
+    task): with several tasks, each is a rank of the job's one run (framework/app/launch.py). Hydra's `run_job`
+    keeps a job's exception in its return, and the plugin hands submitit task 0's only; a non-zero rank's is raised
+    here, so that submitit records that task as failed, and so the job (`job_by_job`)."""
+    from framework.app.launch import sweep_task_overrides
+
+    returned = call([*sweep_overrides, *sweep_task_overrides()], *args)
+    if os.environ.get("RANK", "0") != "0" and returned.status == JobStatus.FAILED:
+        returned.return_value  # raises the task's exception (JobReturn's own way of giving it)
+    return returned
+
+
+def tasks_per_job(launcher: Any) -> int:
+    """The tasks each of the submitit launcher's jobs runs: its ranks, where there are several."""
+    return int(launcher.params.get("nodes") or 1) * int(launcher.params.get("tasks_per_node") or 1)
+
+
+def fail_job(job: Job, error: str) -> JobReturn:
+    """A job of several tasks one of which failed (`error`, its own): failed, whatever rank 0 recorded, which is kept
+    beside it (its metrics, or its own error: often only that a peer went away)."""
+    record = sweep.job_record(job.folder)
+    if record.get("status") == "failed" and record.get("error"):
+        error = f"{error}; rank 0: {record['error']}"
+    log.warning("Job %s failed: %s", job.folder.name, error)
+    files.write_json(job.folder / "summary.json", {**record, "status": "failed", "error": error})
+    return _returned(math.nan, job.overrides)
+
+
+def _check_world_size(job: Job, tasks: int) -> Optional[JobReturn]:
+    """A job of `tasks` tasks that records a run finished at another world size (its tasks did not join as one
+    run's ranks): failed. None where it is not such a job."""
+    record = sweep.job_record(job.folder)
+    if record.get("status", "ok") != "ok" or record.get("world_size") == tasks:
+        return None
+    return fail_job(
+        job, f"the run trained at world size {record.get('world_size')}, but the job ran {tasks} tasks (its ranks)"
+    )
+
+
 def job_by_job(
     launcher: Any, launch_one: Callable, job_overrides: Sequence[Sequence[str]], first: int, limit: Optional[int]
 ) -> list[JobReturn]:
     """Each job through a launch of its own (at most `limit` at a time), so that one that fails or dies is that job's
-    error alone; the jobs lost while running are marked, and those lost before they started end the sweep."""
+    error alone; the jobs lost while running are marked, and those lost before they started end the sweep. A job of
+    several tasks (its ranks) is failed where any task failed or its run did not train at that world size."""
     assert launcher.config is not None
     before = stamps(Path(str(launcher.config.hydra.sweep.dir)).absolute())
     outcomes = _concurrently([partial(launch_one, [o], first + i) for i, o in enumerate(job_overrides)], limit)
-    returns, lost = [], []
+    returns, lost, tasks = [], [], tasks_per_job(launcher)
     for i, (overrides, outcome) in enumerate(zip(job_overrides, outcomes)):
         if not isinstance(outcome, Exception):
-            returns.append(outcome[0])
+            checked = _check_world_size(compose(launcher, overrides, first + i), tasks) if tasks > 1 else None
+            returns.append(checked or outcome[0])
             continue
         job, (status, error) = compose(launcher, overrides, first + i), _submitit_loss(outcome)
+        if tasks > 1 and progress(job, before) == FINISHED:  # rank 0 recorded its end, but another task failed
+            returns.append(fail_job(job, error))
+            continue
         settled = settle([job], before, status, error)
         returns.append(settled.get(job.num) or _returned(math.nan, overrides))
         if job.num not in settled:

@@ -1,6 +1,6 @@
 """What a run was made from: RUN_DIR/provenance.json names the command line, the git commit (and, in
 RUN_DIR/git.diff, the uncommitted changes) of the checkout it ran from, the versions of Python, torch,
-CUDA/cuDNN, Hydra and the framework, the host and the devices.
+CUDA/cuDNN, Hydra and the framework, the host, the devices, and the cluster launcher whose tasks are the ranks.
 
 A resumed run keeps the original record and gets its own beside it: provenance-resumed-<time>.json (and
 git-resumed-<time>.diff). Git is asked with a short timeout; no git binary, no checkout or a slow repository
@@ -98,6 +98,9 @@ def collect(cwd: Path, overrides: Sequence[str]) -> tuple[dict[str, Any], Option
         "git": {**git, "diff": None},
         "versions": versions(),
         "host": socket.gethostname(),
+        # Whose tasks the ranks are, where a cluster job's tasks were made its ranks (framework/parallel/cluster.py's
+        # RANKS_FROM_ENV: slurm, submitit-local, submitit-slurm); torchrun's workers and one process: null.
+        "ranks_from": os.environ.get("HTF_RANKS_FROM"),
         "platform": platform.platform(),
         "devices": devices(),
         "cpu_count": os.cpu_count(),

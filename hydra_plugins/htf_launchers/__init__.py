@@ -40,7 +40,13 @@ except ImportError:  # no submitit plugin: nothing to extend
 else:
 
     class LocalLauncher(submitit_launcher.LocalLauncher):
-        """Hydra's submitit launcher on this machine: a job that fails or dies costs that job only."""
+        """Hydra's submitit launcher on this machine: a job that fails or dies costs that job only; a job's tasks
+        are its run's ranks."""
+
+        def __call__(self, sweep_overrides: list[str], *args: Any) -> Any:
+            from framework.app.sweep_launchers import run_task
+
+            return run_task(super().__call__, sweep_overrides, *args)
 
         def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[Any]:
             from framework.app.sweep_launchers import job_by_job
@@ -49,7 +55,13 @@ else:
 
     class SlurmLauncher(submitit_launcher.SlurmLauncher):
         """Hydra's submitit launcher on SLURM: a job that fails or dies costs that job only. Each job is a SLURM job
-        of its own, not a task of one array; `array_parallelism` still bounds how many are submitted at once."""
+        of its own, not a task of one array; `array_parallelism` still bounds how many are submitted at once. A job's
+        tasks (nodes x tasks_per_node) are its run's ranks."""
+
+        def __call__(self, sweep_overrides: list[str], *args: Any) -> Any:
+            from framework.app.sweep_launchers import run_task
+
+            return run_task(super().__call__, sweep_overrides, *args)
 
         def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[Any]:
             from framework.app.sweep_launchers import job_by_job
