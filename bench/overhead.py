@@ -50,8 +50,9 @@ TARGETS = {"dataloader": 0.80, "permutation": 1.10}
 
 
 # ---------------------------------------------------------------------------------------------- framework
-def compose_bench(max_steps: int, device: str, extra: tuple[str, ...] = ()) -> Any:
-    """The config `python run.py experiment=bench trainer.max_steps=N` gets, composed with Hydra's compose API."""
+def compose_bench(max_steps: int, device: str, extra: tuple[str, ...] = (), experiment: str = "bench") -> Any:
+    """The config `python run.py experiment=bench trainer.max_steps=N` gets (or another `experiment`'s), composed
+    with Hydra's compose API."""
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
@@ -62,7 +63,7 @@ def compose_bench(max_steps: int, device: str, extra: tuple[str, ...] = ()) -> A
     framework.config.schema.register()  # the schemas conf/ is composed against
     from framework.config.validate import validate
 
-    overrides = ["experiment=bench", f"trainer.max_steps={max_steps}", f"trainer.device={device}", *extra]
+    overrides = [f"experiment={experiment}", f"trainer.max_steps={max_steps}", f"trainer.device={device}", *extra]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)  # as Hydra does for a job, so `${hydra:...}` resolves

@@ -142,3 +142,47 @@ def test_checkpoint_training_cost_script_runs_end_to_end(capsys):
     assert list(result) == ["training"] and result["training"] > -1
     out = capsys.readouterr().out
     assert "rep 1/1: epoch after a save" in out and "cost of a save to its epoch: median" in out
+
+
+def test_gan_hand_loop_starts_from_the_framework_initial_weights_on_its_data(compose, tmp_path):
+    """bench/gan.py's hand-written loop builds the generator and discriminator the framework's `experiment=gan`
+    builds (same weights from the same seed) and trains on the same images."""
+    import gan
+
+    trainer = Trainer(compose("experiment=gan", *gan.QUIET, "trainer.max_steps=1"), tmp_path)
+    task = trainer.run.task
+    generator, discriminator, validation_z = gan.make_nets()
+    for ours, theirs in ((task.generator, generator), (task.discriminator, discriminator)):
+        ours_state, theirs_state = ours.state_dict(), theirs.state_dict()
+        assert list(ours_state) == list(theirs_state)
+        assert all(torch.equal(ours_state[k], theirs_state[k]) for k in ours_state)
+    assert torch.equal(task.validation_z, validation_z)
+    assert [(type(o).__name__, g["lr"], g["betas"]) for o in trainer.run.optimizers for g in o.param_groups] == \
+        [("Adam", gan.LR, gan.BETAS)] * 2
+    assert trainer.run.data.num_batches("train") == 20  # 1,257 images in batches of 64, the last one short
+    assert torch.equal(trainer.run.data.datasets["train"].tensors[0], gan.digits("train").tensors[0])
+
+
+def test_gan_hand_loop_trains_both_nets_and_logs_at_the_cadence(tmp_path, monkeypatch):
+    import gan
+
+    monkeypatch.setattr(gan, "LOG_EVERY", 2)
+    steps, g_loss, d_loss = gan.hand_loop(21, tmp_path)  # one whole epoch (20 batches) and a step
+    assert steps == 21 and 0 < g_loss < 10 and 0 < d_loss < 10
+    scalars = read_scalars(tmp_path)
+    assert [step for step, _ in scalars["g_loss"]] == [step for step, _ in scalars["d_loss"]] == list(range(2, 21, 2))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    images = EventAccumulator(str(tmp_path), size_guidance={"images": 0})
+    images.Reload()
+    assert [e.step for e in images.Images("generated_images")] == [0]  # the task's grid, at the one epoch's end
+
+
+@pytest.mark.e2e  # a whole benchmark script, in this process
+def test_gan_script_runs_end_to_end(capsys):
+    import gan
+
+    timings = gan.main(["--reps", "1", "--short", "2", "--long", "4"])
+    assert set(timings.runs) == {"framework", "hand"}
+    assert all(len(runs) == 1 for runs in timings.runs.values())
+    assert "framework / hand" in capsys.readouterr().out

@@ -125,6 +125,44 @@ def test_both_nets_of_the_gan_are_trained_by_their_own_optimizer(tmp_path, compo
     assert trainer.run.progress.step == 20  # one step a batch, however many optimizers it stepped
 
 
+@pytest.mark.unit
+def test_toggle_freezes_only_the_other_optimizers_parameters_and_untoggle_restores_each_as_it_was():
+    """Lightning's toggle_optimizer: a parameter the toggled optimizer also owns stays trainable, one the user froze
+    stays frozen after untoggle, and a second toggle before untoggle adds to the first."""
+    from framework.core.errors import UserError
+    from framework.loop.manual import TaskOptimizers
+    from framework.optim.optimizers import Optimizers
+    from framework.parallel.precision import Precision
+
+    a, b, shared, frozen = (nn.Parameter(torch.zeros(1)) for _ in range(4))
+    frozen.requires_grad_(False)
+    opt_a, opt_b = torch.optim.SGD([a, shared], lr=0.1), torch.optim.SGD([b, shared, frozen], lr=0.1)
+    precision = Precision("fp32", torch.device("cpu"))
+    task_optimizers = TaskOptimizers(Optimizers({"a": opt_a, "b": opt_b}, False, []), precision)
+    wrapped_a, wrapped_b = task_optimizers.optimizers()
+
+    def requires_grad():
+        return [p.requires_grad for p in (a, b, shared, frozen)]
+
+    for given in (opt_a, wrapped_a):  # the optimizer or what self.optimizers() returns
+        task_optimizers.toggle(given)
+        assert requires_grad() == [True, False, True, False]
+        task_optimizers.untoggle(given)
+        assert requires_grad() == [True, True, True, False]
+    task_optimizers.toggle(wrapped_b)
+    assert requires_grad() == [False, True, True, False]
+    task_optimizers.toggle(wrapped_a)  # a stays frozen by the first one until untoggle
+    assert requires_grad() == [False, False, True, False]
+    task_optimizers.untoggle(wrapped_a)
+    assert requires_grad() == [True, True, True, False]
+    opt_a.add_param_group({"params": [b]})  # the groups as they are at each toggle
+    task_optimizers.toggle(wrapped_a)
+    assert requires_grad() == [True, True, True, False]
+    task_optimizers.untoggle(wrapped_a)
+    with pytest.raises(UserError, match="not one of this run's"):
+        task_optimizers.toggle(torch.optim.SGD([a], lr=0.1))
+
+
 def test_manual_optimization_clips_steps_each_schedule_and_its_summary_holds(tmp_path):
     run = tmp_path / "run"
     proc = run_cli(run, "task._target_=test_manual_optimization.ManualTwoNets", "trainer.max_epochs=1",

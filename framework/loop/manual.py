@@ -31,8 +31,8 @@ class StepsThroughPrecision:
     def step(self, closure: Any = None) -> None:
         if closure is not None:  # Lightning's closure: the step's forward and backward, run before it steps
             closure()
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        self._precision.step(self.optimizer, params, None, None, unscaled=self._unscaled)
+        # Nothing to clip here (clip_gradients clips), so the precision reads no parameters: none listed per step.
+        self._precision.step(self.optimizer, (), None, None, unscaled=self._unscaled)
         self._unscaled = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -63,7 +63,8 @@ class TaskOptimizers:
         self._precision = precision
         self._wrapped = [StepsThroughPrecision(opt, precision) for opt in optimizers]
         self._schedulers = list(optimizers.schedulers.values())
-        self._toggled: dict[torch.nn.Parameter, bool] = {}
+        # What toggle froze, by id (a tensor's __hash__ is a Python call), with its requires_grad to restore.
+        self._toggled: dict[int, tuple[torch.nn.Parameter, bool]] = {}
 
     def optimizers(self) -> Union[StepsThroughPrecision, list[StepsThroughPrecision]]:
         """One optimizer, or the list of several in config order (Lightning's `self.optimizers()`)."""
@@ -89,17 +90,22 @@ class TaskOptimizers:
 
     def toggle(self, optimizer: Any) -> None:
         """Only `optimizer`'s parameters require gradients until `untoggle` (Lightning's toggle_optimizer)."""
-        mine = {id(p) for group in self._find(optimizer).param_groups for p in group["params"]}
+        # The groups are read at each call, not cached: add_param_group (unfreezing a backbone) may change them.
+        wrapped, toggled = self._find(optimizer), self._toggled
+        mine = {id(p) for group in wrapped.param_groups for p in group["params"]}
         for other in self._wrapped:
+            if other is wrapped:
+                continue
             for group in other.param_groups:
                 for param in group["params"]:
-                    if id(param) not in mine and param not in self._toggled:
-                        self._toggled[param] = param.requires_grad
+                    key = id(param)
+                    if key not in mine and key not in toggled:
+                        toggled[key] = (param, param.requires_grad)
                         param.requires_grad_(False)
 
     def untoggle(self, optimizer: Any) -> None:
         self._find(optimizer)
-        for param, requires_grad in self._toggled.items():
+        for param, requires_grad in self._toggled.values():
             param.requires_grad_(requires_grad)
         self._toggled.clear()
 
