@@ -110,7 +110,7 @@ def hand_loop(max_steps: int, log_dir: str | Path, device: str | torch.device = 
         generator.train(), discriminator.train()
         shuffled = images.index_select(0, torch.randperm(len(images), generator=order_rng).to(device))
         for i in range(0, len(shuffled), BATCH_SIZE):
-            imgs = shuffled[i: i + BATCH_SIZE] / 8.0 - 1.0  # as the task's training_step
+            imgs = shuffled[i: i + BATCH_SIZE] * 2.0 - 1.0  # as the task's training_step
             z = torch.randn(imgs.shape[0], LATENT_DIM).type_as(imgs)
 
             set_requires_grad(d_params, False)  # the generator's step

@@ -81,7 +81,7 @@ class GAN(Task):
 
     def training_step(self, batch: Any) -> None:
         imgs, _ = batch
-        imgs = imgs / 8.0 - 1.0  # the digits' 0..16 as the generator's tanh range
+        imgs = imgs * 2.0 - 1.0  # the digits' pixels (0..1) in the generator's tanh range
         optimizer_g, optimizer_d = self.optimizers()
 
         # sample noise
