@@ -71,6 +71,29 @@ def test_a_whole_rank_materialises_in_place_and_keeps_its_buffers():
     assert torch.equal(model.mask, plain.mask)  # a non-persistent buffer computed at construction
 
 
+class Offloading:
+    """What Builder asks of FSDPStrategy under cpu_offload. The compute device is the meta device here: a device
+    that is not the CPU, which this machine may lack a GPU for (on CUDA, materialising the shards there made
+    fully_shard's CPUOffloadPolicy refuse them at the first forward)."""
+
+    rank, world_size = 0, 1
+    device, shard_device = torch.device("meta"), torch.device("cpu")
+
+
+def test_offloaded_shards_are_materialised_on_the_cpu_and_buffers_on_the_device():
+    torch.manual_seed(0)
+    plain = TransformerLM(**SMALL)
+    torch.manual_seed(0)
+    builder = meta_init.Builder(Offloading())
+    model = builder.build(lambda: TransformerLM(**SMALL))
+    builder.materialise(model, OmegaConf.create({"init_from": None}))
+    for name, param in model.named_parameters():
+        assert param.device.type == "cpu", name
+        assert torch.equal(param, plain.get_parameter(name)), name
+    assert {b.device.type for b in model.buffers()} == {"meta"}
+    assert "mask" in model._buffers and "mask" in model._non_persistent_buffers_set  # still a non-persistent buffer
+
+
 def test_an_init_that_cannot_be_replayed_builds_the_model_whole_from_the_same_rng_state(caplog):
     def padded() -> nn.Module:
         return nn.Sequential(nn.Linear(3, 3), nn.Embedding(5, 3, padding_idx=0))  # a row of a parameter zeroed

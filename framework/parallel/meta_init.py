@@ -160,15 +160,18 @@ class Recorder(TorchFunctionMode):
         self.records.clear()
         self.params.clear()
 
-    def materialise(self, model: nn.Module, device: torch.device) -> None:
-        """Give the sharded `model` (its parameters DTensors on the meta device) this rank's values."""
+    def materialise(self, model: nn.Module, device: torch.device, shards_on: Optional[torch.device] = None) -> None:
+        """Give the sharded `model` (its parameters DTensors on the meta device) this rank's values: its parameters
+        on `shards_on` (the CPU under FSDP's cpu_offload; default `device`), its buffers on `device`."""
         from torch.distributed.tensor import DTensor
 
-        buffers = {name: b for name, b in model.named_buffers()}  # to_empty empties them too
-        model.to_empty(device=device)
+        buffers = dict(model.named_buffers(remove_duplicate=False))  # to_empty empties them too
+        model.to_empty(device=shards_on or device)
         with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
+            for module_name, module in model.named_modules():
+                for name, _ in list(module.named_buffers(recurse=False)):
+                    # assigning a tensor to a buffer's name keeps it a buffer, persistent or not (Module.__setattr__)
+                    setattr(module, name, buffers[f"{module_name}.{name}" if module_name else name].to(device))
             for name, param in model.named_parameters():
                 local = param.to_local() if isinstance(param, DTensor) else param
                 local.copy_(self._values(self.by_name.get(name), name))
@@ -224,7 +227,7 @@ class Builder:
 
     def materialise(self, model: nn.Module, cfg: Any) -> None:
         assert self.recorder is not None
-        self.recorder.materialise(model, self.strategy.device)
+        self.recorder.materialise(model, self.strategy.device, self.strategy.shard_device)
         self.recorder = None
         if cfg.get("init_from"):
             from framework.checkpoint import check_compatible, load_weights

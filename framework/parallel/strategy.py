@@ -60,6 +60,11 @@ class Strategy:
     def is_rank_zero(self) -> bool:
         return self.group.rank == 0
 
+    @property
+    def shard_device(self) -> torch.device:
+        """Where the model's parameters (a sharded model's shards) live between steps: the device."""
+        return self.device
+
     def place(self, task: nn.Module, model: nn.Module) -> None:
         """The task, its model included, on the device."""
         task.to(self.device)
@@ -206,6 +211,11 @@ class FSDPStrategy(Strategy):
         self.shard_types = module_classes(parallel_cfg.shard_modules, "parallel.shard_modules")
         self.reshard_after_forward = parallel_cfg.reshard_after_forward
         self.cpu_offload = parallel_cfg.cpu_offload
+
+    @property
+    def shard_device(self) -> torch.device:
+        """The CPU under cpu_offload (fully_shard's CPUOffloadPolicy refuses shards anywhere else), else the device."""
+        return torch.device("cpu") if self.cpu_offload else self.device
 
     def place(self, task: nn.Module, model: nn.Module) -> None:
         """All of the task but its model, whose shards `wrap` moves: a model larger than one device is never whole
