@@ -31,6 +31,7 @@ def _srun_task(rank: int, job_id: str, name: str = "train") -> dict[str, str]:
     """What srun gives task `rank` of a job of 2 tasks on this one node."""
     return {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_NTASKS": "2",
             "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NUM_NODES": "1", "SLURM_NODELIST": "localhost",
+            "SLURM_JOB_NODELIST": "localhost",
             "SLURM_JOB_ID": job_id, "SLURM_JOB_NAME": name}
 
 
@@ -60,7 +61,11 @@ def test_an_srun_of_two_tasks_trains_one_run_at_world_size_two_in_one_directory(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["status"] == "ok" and summary["step"] == 4
-    assert json.loads((tmp_path / "run" / "provenance.json").read_text())["ranks_from"] == "slurm"
+    record = json.loads((tmp_path / "run" / "provenance.json").read_text())
+    assert record["ranks_from"] == "slurm" and summary["hosts"] == [socket.gethostname()] * 2
+    assert {k: record["job"][k] for k in ("launcher", "world_size", "nodes", "nodelist")} == {
+        "launcher": "slurm", "world_size": 2, "nodes": "1", "nodelist": "localhost"}
+    assert len(record["job"]["job_id"]) == 4 and record["job"]["job_id"].isdigit()  # _srun's
     assert output(done[0]).count("Done in") == 1 and "Done in" not in output(done[1])
 
 
@@ -110,8 +115,11 @@ def test_a_submitit_job_of_two_tasks_trains_one_run_at_world_size_two(tmp_path):
     assert proc.returncode == 0, output(proc)
     assert [(row["job"], row["status"]) for row in rows] == [("0", "ok")], rows
     (job_dir,) = [p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
-    assert json.loads((job_dir / "summary.json").read_text())["world_size"] == 2
-    assert json.loads((job_dir / "provenance.json").read_text())["ranks_from"] == "submitit-local"
+    summary = json.loads((job_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["hosts"] == [socket.gethostname()] * 2
+    record = json.loads((job_dir / "provenance.json").read_text())
+    assert record["ranks_from"] == "submitit-local"
+    assert (record["job"]["launcher"], record["job"]["world_size"]) == ("submitit-local", 2)
     assert sorted(p.name for p in (job_dir / ".hydra").iterdir()) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
 
 
@@ -164,3 +172,22 @@ def test_a_submitit_tasks_ranks_are_submitits_own(monkeypatch):
     assert (ranks.rank, ranks.local_rank, ranks.world_size, ranks.local_world_size) == (1, 1, 2, 2)
     assert ranks.master_addr == socket.gethostname()
     assert ranks.master_port == random.Random("31337").randint(20000, 60000)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("env, spawned, expected", [
+    ({}, 0, {"launcher": None, "world_size": 1}),
+    ({}, 2, {"launcher": "spawn", "world_size": 2}),
+    ({"RANK": "1", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "exp7", "TORCHELASTIC_RESTART_COUNT": "1"}, 0,
+     {"launcher": "torchrun", "world_size": 4, "rendezvous_id": "exp7", "restart": "1"}),
+    ({"RANK": "0", "WORLD_SIZE": "2", "HTF_RANKS_FROM": "slurm", "SLURM_JOB_ID": "812", "SLURM_ARRAY_JOB_ID": "800",
+      "SLURM_ARRAY_TASK_ID": "3", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[1-2]"}, 0,
+     {"launcher": "slurm", "world_size": 2, "job_id": "812", "array_job_id": "800", "array_task_id": "3",
+      "nodes": "2", "nodelist": "gpu[1-2]"}),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, 0, {"launcher": "env", "world_size": 2}),
+], ids=["one-process", "spawn", "torchrun", "slurm-array", "by-hand"])
+def test_provenance_names_the_jobs_launcher_size_and_scheduler_numbers(env, spawned, expected):
+    from framework.observe.provenance import job
+
+    assert job(env, spawned) == expected
+

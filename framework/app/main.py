@@ -295,7 +295,11 @@ def _evaluate(fresh: DictConfig) -> dict[str, Any]:
     with rundir.RunDirLock(run_dir) if rank_zero else contextlib.nullcontext():
         if take_over:
             _take_over(run_dir, str(hydra_cfg.output_subdir))
-        recording = provenance.BackgroundWrite(run_dir, Path(hydra_cfg.runtime.cwd), overrides) if rank_zero else None
+        recording = (
+            provenance.BackgroundWrite(run_dir, Path(hydra_cfg.runtime.cwd), overrides, spawned(cfg))
+            if rank_zero
+            else None
+        )
         try:  # (not `started`: a stage that fails leaves nothing behind, as a run refused at start)
             summary = launch(cfg, run_dir, checkpoint, None, choices)
             if rank_zero and (run_dir / "summary.json").is_file():
@@ -373,7 +377,7 @@ def _train(
             _check_dev_run(cfg, asked, held, run_dir, hydra_cfg.mode == RunMode.MULTIRUN)
             params = sweep.hparams(cfg, choices, overrides)
             if rank_zero and recording is None:  # once the run is known to start: a refused one leaves nothing
-                recording = provenance.BackgroundWrite(run_dir, Path(hydra_cfg.runtime.cwd), overrides)
+                recording = provenance.BackgroundWrite(run_dir, Path(hydra_cfg.runtime.cwd), overrides, spawned(cfg))
             if started is not None:
                 started.append(True)
             try:
@@ -576,6 +580,15 @@ def _write_summary(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
+def spawned(cfg: DictConfig) -> int:
+    """The processes `launch` spawns for `cfg`: one per device for parallel=ddp or fsdp without a launcher, else 0."""
+    from framework.parallel.group import default_devices, under_launcher
+
+    if cfg.parallel.strategy in ("ddp", "fsdp") and not under_launcher():
+        return int(cfg.parallel.devices or default_devices())
+    return 0
+
+
 def launch(
     cfg: DictConfig,
     run_dir: Path,
@@ -584,14 +597,13 @@ def launch(
     choices: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """In this process, or, for parallel=ddp or fsdp without a launcher, in one spawned process per device."""
-    from framework.parallel.group import default_devices, under_launcher  # imported after validation: fail fast
-
-    if cfg.parallel.strategy in ("ddp", "fsdp") and not under_launcher():
+    processes = spawned(cfg)  # (imports torch: after validation, so that a bad config fails fast)
+    if processes:
         resolve_calls(cfg)  # spawned workers have no HydraConfig to resolve `${hydra:...}` with
         spawn(
             cfg,
             run_dir,
-            cfg.parallel.devices or default_devices(),
+            processes,
             checkpoint.path if checkpoint is not None else None,
             hparams,
             choices,

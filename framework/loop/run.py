@@ -5,6 +5,7 @@ stages and lr_find use its parts. Also here: what a checkpoint restores into it,
 from __future__ import annotations
 
 import logging
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -102,6 +103,7 @@ class Run:
     task_state: TaskState
     data_check: DataCheck
     peak_memory: PeakMemory
+    hosts: list[str]  # every rank's host, by rank
 
     @property
     def device(self) -> torch.device:
@@ -153,6 +155,7 @@ def assemble(
     reproducibility.seed_everything(cfg.seed)
     strategy = build_strategy(cfg.parallel, t.device)
     run_dir, resume_from = _agree_on_run(strategy, run_dir, resume_from)
+    hosts = strategy.gather_objects(socket.gethostname())  # the job's record (summary.json), where no launcher has it
     parts = build_components(cfg, strategy, run_dir)
     check_monitors_exist(parts)
     limits = limits_of(cfg, parts.data, parts.task)
@@ -191,6 +194,7 @@ def assemble(
         task_state=TaskState(parts.task, parts.model_attr, strategy),
         data_check=data_check,
         peak_memory=PeakMemory(model_devices(strategy.device, data_parallel=strategy.name == "dp")),
+        hosts=hosts,
     )
     _register_state(run)
     parts.callbacks.call("setup", view, parts.task)

@@ -23,6 +23,7 @@ def fit_summary(run: Run, seconds: float, tested: str) -> dict[str, Any]:
         epoch_batches=run.train_batches,
         seconds=round(seconds, 3),
         world_size=run.strategy.world_size,
+        hosts=run.hosts,
         precision=run.precision.name,
         best_checkpoint=str(best) if best is not None else None,
         stopped=run.stop.reason or None,

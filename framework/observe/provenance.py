@@ -1,6 +1,8 @@
 """What a run was made from: RUN_DIR/provenance.json names the command line, the git commit (and, in
 RUN_DIR/git.diff, the uncommitted changes) of the checkout it ran from, the versions of Python, torch,
-CUDA/cuDNN, Hydra and the framework, the host, the devices, and the cluster launcher whose tasks are the ranks.
+CUDA/cuDNN, Hydra and the framework, the host, the devices, and the job (`job`): the launcher that started its
+processes, their number, and the scheduler's job, array and restart numbers. Every rank's host is in summary.json
+(`hosts`), which the run gathers once its processes have joined.
 
 A resumed run keeps the original record and gets its own beside it: provenance-resumed-<time>.json (and
 git-resumed-<time>.diff). Git is asked with a short timeout; no git binary, no checkout or a slow repository
@@ -20,7 +22,7 @@ import sys
 import threading
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from framework.core import files
 from framework.core.files import write_json
@@ -86,8 +88,36 @@ def devices() -> list[str]:
     return ["cpu"]
 
 
-def collect(cwd: Path, overrides: Sequence[str]) -> tuple[dict[str, Any], Optional[bytes]]:
-    """The record of this process (its command line, from `cwd`, with the job's `overrides`), and the git diff."""
+# The scheduler's numbers of a job, by the names provenance.json gives them; SLURM's and torchrun's own variables.
+JOB_IDS = {
+    "job_id": "SLURM_JOB_ID",
+    "array_job_id": "SLURM_ARRAY_JOB_ID",
+    "array_task_id": "SLURM_ARRAY_TASK_ID",
+    "nodes": "SLURM_JOB_NUM_NODES",
+    "nodelist": "SLURM_JOB_NODELIST",
+    "rendezvous_id": "TORCHELASTIC_RUN_ID",
+    "restart": "TORCHELASTIC_RESTART_COUNT",
+    "requeued": "SLURM_RESTART_COUNT",
+}
+
+
+def job(env: Mapping[str, str], spawned: int) -> dict[str, Any]:
+    """Who started the run's processes, and how many: `launcher` torchrun, slurm / submitit-local / submitit-slurm
+    (a job's tasks as its ranks: framework/parallel/cluster.py), env (RANK and WORLD_SIZE set by hand), spawn (the
+    framework's own, `spawned` processes), or null (one process); with the scheduler's numbers where it has them."""
+    launcher: Optional[str]
+    if "WORLD_SIZE" in env and "RANK" in env:
+        launcher = env.get("HTF_RANKS_FROM") or ("torchrun" if "TORCHELASTIC_RUN_ID" in env else "env")
+        processes = int(env["WORLD_SIZE"])
+    else:
+        launcher, processes = ("spawn", spawned) if spawned else (None, 1)
+    ids = {name: env[var] for name, var in JOB_IDS.items() if var in env}
+    return {"launcher": launcher, "world_size": processes, **ids}
+
+
+def collect(cwd: Path, overrides: Sequence[str], spawned: int = 0) -> tuple[dict[str, Any], Optional[bytes]]:
+    """The record of this process (its command line, from `cwd`, with the job's `overrides`; `spawned`: the
+    processes the framework spawns for the run, 0 for none), and the git diff."""
     git, diff = git_state(cwd)
     record = {
         "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -97,7 +127,8 @@ def collect(cwd: Path, overrides: Sequence[str]) -> tuple[dict[str, Any], Option
         "cwd": str(cwd),
         "git": {**git, "diff": None},
         "versions": versions(),
-        "host": socket.gethostname(),
+        "host": socket.gethostname(),  # this process's: every rank's is summary.json's `hosts`
+        "job": job(os.environ, spawned),
         # Whose tasks the ranks are, where a cluster job's tasks were made its ranks (framework/parallel/cluster.py's
         # RANKS_FROM_ENV: slurm, submitit-local, submitit-slurm); torchrun's workers and one process: null.
         "ranks_from": os.environ.get("HTF_RANKS_FROM"),
@@ -108,10 +139,10 @@ def collect(cwd: Path, overrides: Sequence[str]) -> tuple[dict[str, Any], Option
     return record, diff
 
 
-def write(run_dir: Path, cwd: Path, overrides: Sequence[str]) -> Path:
+def write(run_dir: Path, cwd: Path, overrides: Sequence[str], spawned: int = 0) -> Path:
     """RUN_DIR/provenance.json (+ git.diff when the checkout is dirty); for a run directory that already has
     them (a resume), provenance-resumed-<time>.json (+ git-resumed-<time>.diff). Returns the JSON's path."""
-    record, diff = collect(cwd, overrides)
+    record, diff = collect(cwd, overrides, spawned)
     suffix = ""
     if (run_dir / FILES[0]).exists():
         suffix = f"-resumed-{datetime.datetime.now():%Y-%m-%d_%H-%M-%S-%f}"
@@ -129,16 +160,16 @@ class BackgroundWrite:
     step; the app joins it before the job ends. A record that cannot be written is a warning, never the end of
     the run."""
 
-    def __init__(self, run_dir: Path, cwd: Path, overrides: Sequence[str]) -> None:
+    def __init__(self, run_dir: Path, cwd: Path, overrides: Sequence[str], spawned: int = 0) -> None:
         self._thread = threading.Thread(
-            target=self._write, args=(run_dir, cwd, list(overrides)), name="provenance", daemon=True
+            target=self._write, args=(run_dir, cwd, list(overrides), spawned), name="provenance", daemon=True
         )
         self._thread.start()
 
     @staticmethod
-    def _write(run_dir: Path, cwd: Path, overrides: list[str]) -> None:
+    def _write(run_dir: Path, cwd: Path, overrides: list[str], spawned: int) -> None:
         try:
-            write(run_dir, cwd, overrides)
+            write(run_dir, cwd, overrides, spawned)
         except Exception as err:  # noqa: BLE001  (e.g. a full disk: the run itself decides whether that matters)
             log.warning("Could not record the run's provenance in %s: %s: %s", run_dir, type(err).__name__, err)
 
