@@ -272,34 +272,88 @@ def test_a_time_budget_shorter_than_the_job_stops_cleanly_and_the_same_command_f
     assert_identical(final_state(tmp_path / "whole"), final_state(run))
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="needs torchrun")
-def test_torchrun_restarts_a_killed_worker_group_and_the_run_ends_identical(tmp_path):
-    """torchrun --max-restarts=1: rank 0 is SIGKILLed after step 17; torchrun restarts both workers, which take
-    resume=auto in the fixed run directory and continue from the newest checkpoint."""
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    common = ("parallel=ddp", "resume=auto", *QUICK, "trainer.max_steps=40")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+TORCHRUN_RUN = ("parallel=ddp", "resume=auto", *QUICK, "trainer.max_steps=40")
+KILL_AFTER_17 = {"PYTHONPATH": on_pythonpath(KILLHOOK), "KILL_AT_STEP": "17", "KILL_SIGNAL": "SIGKILL"}
+
+
+def _torchrun_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
     env.pop("HYDRA_FULL_ERROR", None)
+    return env
 
-    def torchrun_run(run_dir: Path, extra_env: dict[str, str]) -> subprocess.CompletedProcess:
-        return subprocess.run([torchrun, "--standalone", "--nproc-per-node=2", "--max-restarts=1", str(ROOT / "run.py"),
-                               f"hydra.run.dir={run_dir}", *common], cwd=ROOT, capture_output=True, text=True,
-                              timeout=120, env={**env, **extra_env})
 
-    whole = torchrun_run(tmp_path / "whole", {})
+@pytest.fixture(scope="module")
+def torchrun_whole(tmp_path_factory) -> Path:
+    """An uninterrupted run of 2 DDP ranks under torchrun: what a killed and restarted one must end as."""
+    run_dir = tmp_path_factory.mktemp("torchrun") / "whole"
+    whole = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", str(ROOT / "run.py"),
+                            f"hydra.run.dir={run_dir}", *TORCHRUN_RUN], cwd=ROOT, capture_output=True, text=True,
+                           timeout=180, env=_torchrun_env())
     assert whole.returncode == 0, output(whole)
-    pythonpath = on_pythonpath(KILLHOOK)
-    restarted = torchrun_run(tmp_path / "killed", {"PYTHONPATH": pythonpath, "KILL_AT_STEP": "17",
-                                                   "KILL_SIGNAL": "SIGKILL", "KILL_ONCE_FILE": str(tmp_path / "once")})
-    assert restarted.returncode == 0, output(restarted)
-    assert (tmp_path / "once").exists()  # the kill happened
+    return run_dir
+
+
+def _resumed_at_the_newest_checkpoint(out: str) -> None:
     # The newest checkpoint written whole: step 14's, or step 10's (epoch end) where SIGKILL, three steps later, came
     # while the background writer was still on step 14's. Either way the run must end as the uninterrupted one did.
-    resumed = re.search(r"Resumed from \S+ at step (\d+) ", output(restarted))
-    assert resumed and resumed.group(1) in ("10", "14"), output(restarted)
-    assert_identical(final_state(tmp_path / "whole"), final_state(tmp_path / "killed"))
+    resumed = re.search(r"Resumed from \S+ at step (\d+) ", out)
+    assert resumed and resumed.group(1) in ("10", "14"), out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.skipif(TORCHRUN is None, reason="needs torchrun")
+def test_torchrun_restarts_a_killed_worker_group_and_the_run_ends_identical(tmp_path, torchrun_whole):
+    """torchrun --max-restarts=1: rank 0 is SIGKILLed after step 17; torchrun restarts both workers, which take
+    resume=auto in the fixed run directory and continue from the newest checkpoint."""
+    restarted = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", str(ROOT / "run.py"),
+                                f"hydra.run.dir={tmp_path / 'killed'}", *TORCHRUN_RUN], cwd=ROOT, capture_output=True,
+                               text=True, timeout=180,
+                               env=_torchrun_env(**KILL_AFTER_17, KILL_ONCE_FILE=str(tmp_path / "once")))
+    assert restarted.returncode == 0, output(restarted)
+    assert (tmp_path / "once").exists()  # the kill happened
+    _resumed_at_the_newest_checkpoint(output(restarted))
+    assert_identical(final_state(torchrun_whole), final_state(tmp_path / "killed"))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.skipif(TORCHRUN is None, reason="needs torchrun")
+def test_two_torchrun_nodes_restart_after_one_nodes_worker_is_killed_and_end_identical(tmp_path, torchrun_whole):
+    """Two torchrun agents as two nodes of one job on loopback (c10d rendezvous, one worker each, --max-restarts=1):
+    node 1's worker (rank 1) is SIGKILLed after step 17 mid-epoch; its agent restarts it, the other agent restarts
+    its own on the membership change, both resume=auto from the newest checkpoint rank 0 picked, and the run ends
+    bit-identical to the uninterrupted one. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torch's own workaround for
+    restarts across nodes (pytorch/pytorch#135712; docs/parallelism.md says so)."""
+    from framework.app.launch import free_port
+
+    endpoint, job, run_dir = f"127.0.0.1:{free_port()}", f"two-nodes-{uuid.uuid4().hex[:8]}", tmp_path / "run"
+    env = _torchrun_env(**KILL_AFTER_17, KILL_RANK="1", KILL_ONCE_FILE=str(tmp_path / "once"),
+                        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]  # files, not pipes: one node must never block on its own
+    nodes = [subprocess.Popen([TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                               f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}",
+                               "--max-restarts=1", "--monitor-interval=1", "--local-addr=127.0.0.1",
+                               str(ROOT / "run.py"), f"hydra.run.dir={run_dir}", *TORCHRUN_RUN],
+                              cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+             for log in logs]
+    try:
+        for node in nodes:
+            node.wait(timeout=300)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    outs = [log.read_text() for log in logs]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(outs)
+    assert (tmp_path / "once").exists()  # the kill happened
+    _resumed_at_the_newest_checkpoint("\n".join(outs))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["step"] == 40
+    record = json.loads(sorted(run_dir.glob("provenance-resumed-*.json"))[-1].read_text())
+    assert record["job"]["launcher"] == "torchrun" and record["job"]["world_size"] == 2
+    assert_identical(final_state(torchrun_whole), final_state(run_dir))
 
 
 @pytest.mark.unit

@@ -8,7 +8,8 @@ not even import torch.
 
 With $KILL_AT_STEP=N and $KILL_SIGNAL=SIGTERM|SIGKILL, torch's global optimizer-step post hook counts the
 optimizer steps actually taken and, right after the N-th, sends the signal: whatever the task, model,
-optimizer or precision of the run, the interruption comes at the same point of training every time.
+optimizer or precision of the run, the interruption comes at the same point of training every time. Rank 0 (or the
+one process) is signalled, or rank $KILL_RANK.
 With $KILL_ONCE_FILE, only the first process to reach that step is signalled (a restarted one is not). With
 $KILL_WHEN_EXISTS=PATH, the signal waits (up to 120 s) until PATH exists: a checkpoint written in the background
 is on disk before the kill, however slow the machine (a test that needs something to resume from).
@@ -39,7 +40,7 @@ def _kill_after_step(at_step: int, signum: signal.Signals) -> None:
         nonlocal steps
         steps += 1
         rank = os.environ.get("RANK")  # set in DDP workers only (by the spawning parent, or torchrun)
-        if steps != at_step or rank not in (None, "0"):
+        if steps != at_step or rank not in (None, os.environ.get("KILL_RANK", "0")):
             return
         once = os.environ.get("KILL_ONCE_FILE")  # with it, only the first process to get here is signalled
         if once:
