@@ -24,7 +24,6 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from framework.checkpoint.remote import is_url
 from framework.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -32,6 +31,11 @@ log = logging.getLogger(__name__)
 KEYS = ("resume", "ckpt", "init_from")
 ENDPOINT_OPTION = "checkpoint.remote_options.endpoint_url"
 NONE_INTACT = "no intact checkpoint there (each is named above, with what is wrong with it)"
+
+
+def is_url(value: Any) -> bool:
+    """A URL (`scheme://...`), not a local path (as framework.checkpoint.remote.is_url, without importing torch)."""
+    return isinstance(value, str) and "://" in value
 
 
 def _key(arg: str) -> str:

@@ -180,7 +180,7 @@ def build_checkpoints(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Che
 
 def build_remote(cfg: DictConfig, run_dir: Path) -> Optional[RemoteMirror]:
     """checkpoint.remote's mirror, uploading what the policies keep (checked, and probed, at the edge)."""
-    if not cfg.checkpoint.get("remote"):
+    if not cfg.checkpoint.get("remote") or cfg.get("stage", "fit") != "fit":  # evaluating a run uploads nothing
         return None
     options = OmegaConf.to_container(cfg.checkpoint.remote_options, resolve=True)
     return RemoteMirror(open_store("checkpoint.remote", str(cfg.checkpoint.remote), cast(dict, options)), run_dir)
