@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,sweeps,export,trackers]'
+	$(PY) -m pip install --quiet -e '.[dev,sweeps,export,trackers,s3]'
 	touch $(STAMP)
 
 # An editable install leaves the project's own modules uncompiled, and where PYTHONDONTWRITEBYTECODE is set

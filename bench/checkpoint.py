@@ -25,6 +25,12 @@ What is timed:
 The performance issue's target is framework / plain <= 1.2 for save and load; this script checks it on the
 time a save blocks training and on the resume (see bench/RESULTS.md for why not on `load (open)`).
 
+    python bench/checkpoint.py --remote [--reps 9]
+
+measures the time a save blocks the loop (CheckpointManager.save with async_save) with local saves alone and with
+checkpoint.remote to a moto S3 server on localhost, alternating, and the upload's own time (put, read back against
+the checksums, manifest), on the same ResNet-50 state (needs the `s3` extra and moto).
+
     python bench/checkpoint.py --training [--reps 9] [--wait-quiet 600]
 
 measures instead what a save costs the training it overlaps, on bench/realistic.py's model: ResNet-18 and SGD
@@ -174,6 +180,63 @@ def training_cost(reps: int, steps: int, durable: bool, background: bool, quiet_
     return costs
 
 
+def remote_cost(reps: int, durable: bool) -> dict[str, list[float]]:
+    """Per save of the ResNet-50 state through `CheckpointManager` (async_save, as the trainer saves), how long `save`
+    blocks the loop with local saves alone and with checkpoint.remote to a moto S3 server on localhost (this process's
+    threads, as the tests run it), and how long the upload (put, read back against the checksums, manifest) takes."""
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    from framework.checkpoint import CheckpointManager
+    from framework.checkpoint.mirror import RemoteMirror
+    from framework.checkpoint.remote import checked_store
+
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_EC2_METADATA_DISABLED="true")
+    s3fs.S3FileSystem(skip_instance_cache=True).mkdir("bench")
+    model, optimizer = resnet50()
+    step = 0
+
+    class Snapshot:  # what framework.checkpoint.state.TrainingState.collect gives, for this model and optimizer
+        def collect(self) -> tuple[dict, dict, dict]:
+            return model.state_dict(), {"optimizer": optimizer.state_dict()}, {"step": step, "config": {}}
+
+    base = Path(tempfile.mkdtemp(prefix="bench-ckpt-remote-"))
+    store = checked_store("checkpoint.remote", "s3://bench/run")
+    managers = {
+        "local": CheckpointManager(base / "local" / "checkpoints", every_n_steps=1, fsync=durable, async_save=True),
+        "remote": CheckpointManager(base / "remote" / "checkpoints", every_n_steps=1, fsync=durable, async_save=True,
+                                    remote=RemoteMirror(store, base / "remote")),
+    }
+    times: dict[str, list[float]] = {"local": [], "remote": [], "upload": []}
+    try:
+        for rep in range(reps + 1):  # the first: warm-up (host buffers, connections)
+            for name in managers if rep % 2 == 0 else reversed(managers):
+                step += 1
+                blocked = clock(lambda: managers[name].save(Snapshot(), step, periodic=True))
+                managers[name].writer.wait()  # on disk: the upload starts now
+                uploaded = clock(managers[name].remote.close) if managers[name].remote is not None else 0.0
+                if rep:
+                    times[name].append(blocked)
+                    times["upload"] += [uploaded] if name == "remote" else []
+            if rep:
+                print(f"  rep {rep}/{reps}: save blocked the loop {1000 * times['local'][-1]:.1f} ms local, "
+                      f"{1000 * times['remote'][-1]:.1f} ms with checkpoint.remote; upload + verify "
+                      f"{times['upload'][-1]:.2f} s")
+    finally:
+        for manager in managers.values():
+            manager.close()
+        shutil.rmtree(base, ignore_errors=True)
+        server.stop()
+    return times
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=5)
@@ -187,8 +250,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--steps", type=int, default=47, help="--training: steps per epoch (default 47)")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                         help="--training: before each repetition, wait up to SECONDS for the CPUs to be idle")
+    parser.add_argument("--remote", action="store_true",
+                        help="the loop's block per save with checkpoint.remote (a local moto S3 server) vs local alone")
     parser.add_argument("--resume", choices=("framework", "plain"), help=argparse.SUPPRESS)  # one measurement
     args = parser.parse_args(argv)
+    if args.remote:
+        times = remote_cost(args.reps, not args.no_fsync)
+        ratio = statistics.median(r / max(loc, 1e-9) for r, loc in zip(times["remote"], times["local"]))
+        print(f"\nmedian of {args.reps}: save blocked the loop {1000 * statistics.median(times['local']):.1f} ms "
+              f"local, {1000 * statistics.median(times['remote']):.1f} ms with checkpoint.remote (ratio {ratio:.2f}); "
+              f"upload + read-back verify {statistics.median(times['upload']):.2f} s")
+        return {"remote": ratio}
     if args.resume:
         print(json.dumps({"seconds": resume_once(args.resume, args.dir)}))
         return {}

@@ -32,6 +32,7 @@ from hydra.types import HydraContext
 from omegaconf import DictConfig, open_dict
 
 from framework.app import cli, main
+from framework.app.download import argv_with_local_copies
 from framework.app.resume import argv_with_saved_choices, new_invocation
 from framework.config.schema import register
 from framework.config.trees import framework_conf_dir
@@ -104,7 +105,7 @@ def _compose(overrides: list[str], config_dir: Optional[Path], config_name: str)
     choices); a mistake Hydra finds is the command line's one line, as a ConfigError."""
     argv = cli.with_stage(["api", *overrides])
     trees = [config_dir.absolute()] if config_dir is not None else []
-    argv = argv_with_saved_choices(argv, [*trees, framework_conf_dir()], config_name)
+    argv = argv_with_saved_choices(argv_with_local_copies(argv), [*trees, framework_conf_dir()], config_name)
     try:  # hydra.mode as the command line sets it (recorded in .hydra/hydra.yaml)
         return hydra_compose(config_name, overrides=[*argv[1:], "hydra.mode=RUN"], return_hydra_config=True)
     except Exception as err:  # noqa: BLE001  (re-raised unless it is a user's mistake Hydra found)

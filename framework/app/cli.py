@@ -39,14 +39,14 @@ from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from framework import __version__
-from framework.app import launch, resume, sweep
+from framework.app import download, launch, resume, sweep
 from framework.app import main as app
 from framework.config.hints import CLOSED_GROUPS, key_hint
 from framework.config.schema import register
 from framework.config.trees import framework_conf_dir, source_dir
 from framework.config.validate import STAGES
 from framework.core import signals, startup
-from framework.core.errors import FORCED_FULL_ERROR, full_error
+from framework.core.errors import FORCED_FULL_ERROR, UserError, full_error
 from framework.parallel.cluster import export_cluster_environment
 
 _FRAMEWORK_DIR = str(Path(__file__).resolve().parents[1]) + os.sep  # the framework package
@@ -89,6 +89,13 @@ def _main() -> None:
     export_cluster_environment()  # an srun of several tasks: each a rank, as under torchrun
     sys.argv += launch.rank_zero_only_overrides()  # under torchrun: one run directory, from rank 0
     name = _option(sys.argv[1:], _CONFIG_NAME) or "config"
+    try:
+        sys.argv = download.argv_with_local_copies(sys.argv)  # resume=URL, ckpt=URL, init_from=URL
+    except UserError as err:
+        if full_error():
+            raise
+        sys.stderr.write(f"Error: {err}\n")
+        sys.exit(1)
     sys.argv = resume.argv_with_saved_choices(sys.argv, [*trees, framework_conf_dir()], name)  # resume=...
     run(hydra.main(version_base="1.3", config_path=str(framework_conf_dir()), config_name="config")(_job))
 

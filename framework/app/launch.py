@@ -22,7 +22,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from framework.core.errors import ConfigError, HookError, Interrupted, UserError, os_error_line
-from framework.core.runlog import RunLogHandler
+from framework.core.runlog import STORE_LOGGERS, RunLogHandler
 from framework.observe.progress import file_only
 from framework.observe.summary import SUMMARY_LOGGER
 from framework.parallel.cluster import export_cluster_environment, tasks_as_ranks
@@ -171,6 +171,7 @@ def _configure_logging(rank: int, run_dir: Path) -> None:
         "sqlalchemy": logging.WARNING,
         "alembic": logging.WARNING,
         "wandb": logging.INFO,
+        **{name: logging.WARNING for name in STORE_LOGGERS},  # checkpoint.remote's store
     }
     root = logging.getLogger()
     root.handlers.clear()

@@ -384,6 +384,7 @@ def _train(
                 summary = launch(cfg, run_dir, checkpoint, params, choices)
                 if rank_zero and summary and (run_dir / "summary.json").is_file():  # not after a dry run
                     summary = _write_summary(run_dir, summary)
+                    _upload_records(cfg, run_dir)
                 return cfg, summary
             except DamagedCheckpoint as err:  # its state does not fit the live components: try an older one
                 if checkpoint is None and cfg.init_from:  # its files, verified as they were loaded
@@ -394,6 +395,22 @@ def _train(
     finally:
         if recording is not None:
             recording.join()
+
+
+def _upload_records(cfg: DictConfig, run_dir: Path) -> None:
+    """checkpoint.remote: the run's records as it ended (its summary is written after its last checkpoint's upload)."""
+    if not cfg.checkpoint.get("remote") or cfg.trainer.fast_dev_run:
+        return
+    from framework.checkpoint.remote import cause, is_store_error, open_store
+    from framework.checkpoint.upload import upload_records
+
+    options = OmegaConf.to_container(cfg.checkpoint.remote_options, resolve=True)
+    try:
+        upload_records(open_store("checkpoint.remote", str(cfg.checkpoint.remote), cast(dict, options)), run_dir, {})
+    except Exception as err:
+        if not is_store_error(err):
+            raise
+        log.warning("checkpoint.remote=%r: the run's records were not uploaded: %s", cfg.checkpoint.remote, cause(err))
 
 
 def _check_dev_run(cfg: DictConfig, asked: Optional[str], held: bool, run_dir: Path, multirun: bool) -> None:
@@ -435,6 +452,11 @@ def _settled(
         validate(cfg)
     check_paths(cfg)
     check_tasks_as_ranks(cfg.parallel)
+    if cfg.get("stage", "fit") == "fit" and cfg.checkpoint.get("remote") and not cfg.trainer.fast_dev_run:
+        from framework.checkpoint.remote import checked_store  # torch: imported once the config is known good
+
+        options = OmegaConf.to_container(cfg.checkpoint.remote_options, resolve=True)
+        checked_store("checkpoint.remote", str(cfg.checkpoint.remote), cast(dict, options))  # a probe write tells
     if cfg.get("init_from"):
         cfg.init_from = resume.find_weights(str(cfg.init_from))
     return cfg, choices

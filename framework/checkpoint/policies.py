@@ -12,6 +12,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from framework.checkpoint.format import DamagedCheckpoint, _is_number, _shown
+from framework.checkpoint.mirror import RemoteMirror
 from framework.checkpoint.save import link_checkpoint
 from framework.checkpoint.sharded import Shards, link_sharded
 from framework.checkpoint.validation import _mismatch
@@ -44,6 +45,7 @@ class CheckpointManager:
     periodic: list[str] = field(default_factory=list)  # names, oldest first
     top_k: list[tuple[float, str]] = field(default_factory=list)  # (metric, name), best first
     shards: Optional[Shards] = None  # a sharded run's ranks: each writes its shards (sharded.py)
+    remote: Optional[RemoteMirror] = None  # checkpoint.remote: the kept checkpoints uploaded after each save (rank 0)
 
     def __post_init__(self) -> None:
         self.writer = CheckpointWriter(durable=self.fsync, background=self.async_save)
@@ -118,7 +120,8 @@ class CheckpointManager:
             self._link(target, self.folder / "last")
         if top and self.top_k[0][1] == name:
             self._link(target, self.folder / "best")
-        self.writer.call(self._prune, set(self.periodic) | {name for _, name in self.top_k})
+        self.writer.call(self._prune, self._kept())
+        self._mirror()
 
     def resumed_at(self, step: int) -> None:
         """The run resumed from a checkpoint of `step`: `last` of this step is on disk already."""
@@ -127,6 +130,24 @@ class CheckpointManager:
     def save_now(self, state: Snapshot, step: int, name: str = "last") -> None:
         """Save as `name` whatever the policies say (a signal's stop: this exact position). Every rank calls it."""
         self._write(state, step, self.folder / name)
+        if self.enabled:
+            self._mirror()
+
+    def close(self) -> None:
+        """Every save on disk (the writer closed), then on the remote (checkpoint.remote)."""
+        try:
+            self.writer.close()
+        finally:
+            if self.remote is not None:
+                self.remote.close()
+
+    def _kept(self) -> set[str]:
+        return set(self.periodic) | {name for _, name in self.top_k}
+
+    def _mirror(self) -> None:
+        """Once the save queued last (and its links and pruning) is on disk, bring the remote up to date with it."""
+        if self.remote is not None:
+            self.writer.call(self.remote.request, self._kept())
 
     def _write(self, state: Snapshot, step: int, target: Path) -> None:
         model_state, training_state, meta = state.collect()

@@ -137,6 +137,12 @@ class CheckpointConfig:
     requeue: Any = "auto"  # after saving on a signal other than TERM/INT: auto (under SLURM/submitit), true, false
     fsync: bool = True  # flush each checkpoint to disk before it counts (false: atomic for the process only)
     async_save: bool = True  # write on a background thread; the loop waits only for a copy of the state
+    # A URL (s3://bucket/prefix, any scheme fsspec knows) that every kept checkpoint and the run's records are
+    # uploaded to, in the background (framework/checkpoint/mirror.py); null: local only.
+    remote: Optional[str] = None
+    # fsspec's storage options for it (s3fs: endpoint_url, client_kwargs, config_kwargs; others with `+`); never a
+    # secret. A null is left out (endpoint_url: null is botocore's, from AWS_ENDPOINT_URL or AWS's own).
+    remote_options: dict[str, Any] = field(default_factory=lambda: {"endpoint_url": None})
 
 
 class PrecisionMode(str, Enum):

@@ -8,6 +8,11 @@ from pathlib import Path
 
 from framework.core import files
 
+# The libraries of checkpoint.remote's store, whose records go to run.log alone, at WARNING (conf/hydra/job_logging/
+# framework.yaml, and framework/app/launch.py for spawned workers): a failed upload is one warning of the framework's
+# on the console, not botocore's retries and tracebacks.
+STORE_LOGGERS = ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "aiohttp")
+
 
 class RunLogHandler(logging.StreamHandler):
     """`logging.FileHandler`'s job for run.log, with the file opened by `framework.core.files.appending`. Used by

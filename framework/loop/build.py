@@ -8,15 +8,17 @@ import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from framework.callbacks import task_hooks
 from framework.callbacks.base import Callback, CallbackList
 from framework.callbacks.timer import Timer
 from framework.checkpoint import CheckpointManager, check_compatible, load_weights
+from framework.checkpoint.mirror import RemoteMirror
+from framework.checkpoint.remote import open_store
 from framework.checkpoint.weights import accept_plain_keys
 from framework.config.instantiate import build, locate
 from framework.core import startup
@@ -172,7 +174,16 @@ def build_checkpoints(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Che
         fsync=ck.fsync,
         async_save=ck.async_save,
         shards=strategy if strategy.sharded and not fast_dev_run else None,
+        remote=build_remote(cfg, run_dir) if strategy.is_rank_zero and not fast_dev_run else None,
     )
+
+
+def build_remote(cfg: DictConfig, run_dir: Path) -> Optional[RemoteMirror]:
+    """checkpoint.remote's mirror, uploading what the policies keep (checked, and probed, at the edge)."""
+    if not cfg.checkpoint.get("remote") or cfg.get("stage", "fit") != "fit":  # evaluating a run uploads nothing
+        return None
+    options = OmegaConf.to_container(cfg.checkpoint.remote_options, resolve=True)
+    return RemoteMirror(open_store("checkpoint.remote", str(cfg.checkpoint.remote), cast(dict, options)), run_dir)
 
 
 def build_data(cfg: DictConfig, strategy: Strategy) -> DataModule:

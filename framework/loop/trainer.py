@@ -126,7 +126,7 @@ class Trainer:
         if run.checkpoints.save_last and run.checkpoints.saved_step != p.step:
             self._save(periodic=False)
         with self.profiler.phase("checkpoint"):
-            run.checkpoints.writer.close()  # every checkpoint on disk before the summary names them
+            run.checkpoints.close()  # every checkpoint on disk (and remote) before the summary names them
         self.hooks.quiet("on_train_end")
         if run.limits.tests:
             self.validation.test()
@@ -306,7 +306,7 @@ class Trainer:
         except Exception as hook_err:  # noqa: BLE001  (the error that ends the run is the one to report)
             log.error("%s (the run ends on the error before it)", hook_err)  # a HookError names Class.on_exception
         try:
-            self.run.checkpoints.writer.close()
+            self.run.checkpoints.close()
         except Exception as save_err:  # noqa: BLE001
             if isinstance(err, CheckpointSaveError) and isinstance(save_err, CheckpointSaveError):
                 log.debug("A later checkpoint save failed too: %s", save_err)

@@ -1,0 +1,138 @@
+"""`resume=URL`, `ckpt=URL` and `init_from=URL`: a run's remote copy (checkpoint.remote) read back before Hydra
+composes the command line. What each needs is downloaded, and the command line names the local copy instead, so
+that everything after is the local path's:
+
+- `resume=URL`: the newest intact published checkpoint (`best` too, where it is another one) and the run's records,
+  into a new local run directory (`hydra.run.dir` when the command line sets one, else `outputs/<name>/<time>`),
+  which the run then continues in place as `resume=RUN_DIR` does: the same TensorBoard run, its saved config, and so
+  its `checkpoint.remote`, the same remote. A `hydra.run.dir` that holds a run already is continued as it is (its
+  checkpoints are never older than what it uploaded).
+- `ckpt=URL` (validate, test, predict) and `init_from=URL`: one checkpoint (ckpt=: the best, else the newest;
+  init_from=: the newest; `URL/checkpoints/NAME`: that one) into a cache folder
+  (`$XDG_CACHE_HOME/hydra-torch-framework/remote`, else `~/.cache/...`), where the next command finds it.
+
+A URL holding credentials is refused here, for any key, before anything is written. The reads take the endpoint
+from AWS_ENDPOINT_URL, or from `checkpoint.remote_options.endpoint_url=` on the same command line.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from framework.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+KEYS = ("resume", "ckpt", "init_from")
+ENDPOINT_OPTION = "checkpoint.remote_options.endpoint_url"
+NONE_INTACT = "no intact checkpoint there (each is named above, with what is wrong with it)"
+
+
+def is_url(value: Any) -> bool:
+    """A URL (`scheme://...`), not a local path (as framework.checkpoint.remote.is_url, without importing torch)."""
+    return isinstance(value, str) and "://" in value
+
+
+def _key(arg: str) -> str:
+    return arg.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+
+
+def argv_with_local_copies(argv: list[str]) -> list[str]:
+    """`argv` with each `resume=`, `ckpt=` and `init_from=` URL replaced by its local copy, downloaded now (see the
+    module's docstring); ConfigError naming the key, the URL and the cause where that cannot be done."""
+    from framework.checkpoint.remote import check_url
+
+    args = argv[1:]
+    overrides = {_key(a): a.split("=", 1)[1] for a in args if "=" in a and not a.startswith("-")}
+    for key, value in overrides.items():
+        if is_url(value) and "@" in value.partition("://")[2].partition("/")[0]:
+            check_url(key, value)  # refuses it, naming the key, the credentials left out
+    wanted = [key for key in KEYS if is_url(overrides.get(key))]
+    if not wanted:
+        return argv
+    if "resume" in wanted and ("-m" in args or "--multirun" in args):
+        raise ConfigError(f"resume={overrides['resume']!r}: a multirun continues one run per job; expected one run")
+    options = {"endpoint_url": overrides[ENDPOINT_OPTION]} if overrides.get(ENDPOINT_OPTION) else {}
+    local = {key: _local_copy(key, overrides[key], overrides.get("hydra.run.dir"), options) for key in wanted}
+    out = [argv[0]]
+    for arg in args:
+        given = _key(arg) if "=" in arg and not arg.startswith("-") else ""
+        out.append(f"{arg.split('=', 1)[0]}={local[given]}" if given in local else arg)
+    return out
+
+
+def _local_copy(key: str, url: str, run_dir: Optional[str], options: dict[str, Any]) -> str:
+    from framework.checkpoint.download import fetch_cached, fetch_run
+    from framework.checkpoint.remote import cause, is_store_error, open_store
+    from framework.checkpoint.upload import CHECKPOINTS, manifests
+
+    root, _, name = url.rstrip("/").rpartition(f"/{CHECKPOINTS}/")
+    root, name = (root, name) if root and name and "/" not in name and key != "resume" else (url, "")
+    store = open_store(key, root, options)
+    try:
+        if key == "resume" and run_dir and _holds_run(Path(run_dir)):
+            log.info("resume=%s: %s holds the run already; continuing it there", url, run_dir)
+            return run_dir
+        published = manifests(store)
+        if name:
+            published = {name: published[name]} if name in published else {}
+        if not published:
+            raise ConfigError(f"{key}={url!r}: {_nothing_there(store, name)}")
+        if key == "resume":
+            local = Path(run_dir) if run_dir else _new_run_dir(store, published)
+            if fetch_run(store, published, local) is None:
+                raise ConfigError(
+                    f"{key}={url!r}: no intact checkpoint there (each is named above, with what is wrong)"
+                )
+            return str(local)
+        found = fetch_cached(store, published, cache_dir() / store.url.partition("://")[0] / store.root, key == "ckpt")
+        if found is None:
+            raise ConfigError(f"{key}={url!r}: {NONE_INTACT}")
+        return str(found)
+    except Exception as err:
+        if not is_store_error(err):
+            raise
+        raise ConfigError(
+            f"{key}={url!r}: cannot read it: {cause(err)}; expected the checkpoint.remote of a run, "
+            "readable with the credentials in the environment"
+        ) from None
+
+
+def _nothing_there(store: Any, name: str) -> str:
+    from framework.checkpoint.upload import CHECKPOINTS
+
+    if name:
+        return f"no published checkpoint {name} under {store.url}; expected the name of one (last, best, step-N)"
+    bucket = store.root.partition("/")[0]
+    if bucket and not store.fs.exists(bucket):
+        return f"no such bucket {bucket!r}; expected the checkpoint.remote of a run"
+    return (
+        f"no published checkpoint under {store.url}/{CHECKPOINTS}; "
+        "expected the checkpoint.remote of a run that saved one"
+    )
+
+
+def _holds_run(path: Path) -> bool:
+    return (path / "checkpoints").is_dir() and any(p.is_dir() for p in (path / "checkpoints").iterdir())
+
+
+def _new_run_dir(store: Any, published: dict[str, dict[str, Any]]) -> Path:
+    """outputs/<the run's name>/<now>, as a new run's default hydra.run.dir (conf/htf.yaml), for its copy."""
+    from framework.checkpoint.download import candidates
+    from framework.checkpoint.upload import CHECKPOINTS, DATA
+
+    newest = candidates(published)[0]
+    meta = json.loads(store.fs.cat_file(store.path(CHECKPOINTS, DATA, newest["data"], "meta.json")))
+    name = str((meta.get("config") or {}).get("name") or "remote")
+    return Path("outputs") / Path(name).name / f"{datetime.datetime.now():%Y-%m-%d_%H-%M-%S}"
+
+
+def cache_dir() -> Path:
+    """Where ckpt=URL and init_from=URL keep what they downloaded."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hydra-torch-framework" / "remote"

@@ -1,0 +1,287 @@
+"""Checkpoints on object storage (`checkpoint.remote=URL`, `resume=URL`, `ckpt=URL`, `init_from=URL`), against a real
+S3 server on localhost: moto's server mode, started and stopped here as s3fs's own test suite does, and read back with
+s3fs itself. A run uploads each kept checkpoint (verified, then published by its manifest) and its records; the
+remote mirrors the local keep decisions; every mistake is one line before training; a store that fails mid-run is
+one warning; and a run SIGKILLed after a checkpoint, its local directory deleted, resumes from the remote
+bit-identical to a run never interrupted."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import (
+    KILLHOOK,
+    assert_identical,
+    final_state,
+    on_pythonpath,
+    one_error_line,
+    output,
+    run_cli,
+)
+
+try:
+    import requests
+    import s3fs
+    from moto.server import ThreadedMotoServer
+except ImportError:
+    pytest.skip("moto[server] and s3fs are not installed (pip install -e '.[s3,dev]')", allow_module_level=True)
+
+from framework.callbacks.base import Callback
+
+pytestmark = pytest.mark.e2e
+
+BUCKET = "htf-bucket"
+KEY_ID, SECRET = "AKIATESTKEYID0000001", "test-secret-Zq8vR3kP9wXy"
+COMMON = ("logger.progress_bar=false", "trainer.log_every_n_steps=10", "model.dropout=0.2")
+
+
+class Moto:
+    """moto's threaded server on 127.0.0.1, on a port of its own that it keeps when stopped and started again (its
+    buckets and objects live in this process, so they outlive a stop)."""
+
+    def __init__(self) -> None:
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        host, self.port = self.server.get_host_and_port()
+        self.endpoint = f"http://{host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def start(self) -> None:
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+
+
+@pytest.fixture(scope="module")
+def moto() -> Any:
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request
+    server = Moto()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(moto, monkeypatch, tmp_path) -> Any:
+    """An empty bucket, credentials and the endpoint in the environment (as a user sets them), and s3fs to read with."""
+    requests.post(f"{moto.endpoint}/moto-api/reset", timeout=10)
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1",
+                        "AWS_ENDPOINT_URL": moto.endpoint, "AWS_EC2_METADATA_DISABLED": "true",
+                        "XDG_CACHE_HOME": str(tmp_path / "cache")}.items():
+        monkeypatch.setenv(name, value)
+    fs = s3fs.S3FileSystem(endpoint_url=moto.endpoint, skip_instance_cache=True, use_listings_cache=False)
+    fs.mkdir(BUCKET)
+    return fs
+
+
+def manifests(fs: Any, prefix: str) -> dict[str, dict]:
+    return {Path(p).stem: json.loads(fs.cat_file(p)) for p in fs.glob(f"{BUCKET}/{prefix}/checkpoints/*.json")}
+
+
+def remote_digest(fs: Any, path: str) -> str:
+    import xxhash
+
+    return "xxh3_64:" + xxhash.xxh3_64_hexdigest(fs.cat_file(path))
+
+
+def run_files(run_dir: Path) -> list[Path]:
+    return [p for p in run_dir.rglob("*") if p.is_file()]
+
+
+# ---------------------------------------------------------------------------------------------- upload
+def test_kept_checkpoints_are_uploaded_verified_published_and_mirrored_with_the_records(s3, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(run_dir, *COMMON, "trainer.max_steps=50", "checkpoint.every_n_steps=10", "checkpoint.keep_last=2",
+                   f"checkpoint.remote=s3://{BUCKET}/runs/one", fast=False)
+    assert proc.returncode == 0, output(proc)
+    published = manifests(s3, "runs/one")
+    local = {p.name for p in (run_dir / "checkpoints").iterdir()}
+    assert set(published) == local  # step-40, step-50, last, best: and no other step-N (keep_last, top-k mirrored)
+    assert {"step-40", "step-50", "last"} <= set(published) and "step-10" not in published
+    assert published["last"]["data"] == published["step-50"]["data"]  # hard links on disk: one upload
+    for name, manifest in published.items():  # what the manifest names is what is on disk, checksum for checksum
+        where = f"{BUCKET}/runs/one/checkpoints/data/{manifest['data']}"
+        meta = json.loads(s3.cat_file(f"{where}/meta.json"))
+        assert meta == json.loads((run_dir / "checkpoints" / name / "meta.json").read_text())
+        for file in ("model.safetensors", "state.safetensors"):
+            assert remote_digest(s3, f"{where}/{file}") == meta["checksums"][file]
+    # The data of withdrawn checkpoints is gone: only what a manifest names is left.
+    assert {Path(p).name for p in s3.ls(f"{BUCKET}/runs/one/checkpoints/data")} == {
+        m["data"] for m in published.values()}
+    for record in (".hydra/config.yaml", ".hydra/overrides.yaml", "provenance.json", "summary.json", "run.log"):
+        assert s3.cat_file(f"{BUCKET}/runs/one/{record}") == (run_dir / record).read_bytes(), record
+    assert any(Path(p).name.startswith("events.out.tfevents") for p in s3.ls(f"{BUCKET}/runs/one"))
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "ok"
+    # Credentials come from the environment and are written into no file of the run.
+    for path in run_files(run_dir):
+        data = path.read_bytes()
+        assert SECRET.encode() not in data and KEY_ID.encode() not in data, path
+    assert f"s3://{BUCKET}/runs/one" in (run_dir / "provenance.json").read_text()
+
+
+def test_ckpt_and_init_from_read_the_remote_downloading_one_checkpoint(s3, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(run_dir, *COMMON, "trainer.max_steps=20", "checkpoint.every_n_steps=10", "checkpoint.keep_last=-1",
+                   f"checkpoint.remote=s3://{BUCKET}/runs/two", fast=False)
+    assert proc.returncode == 0, output(proc)
+    shutil.rmtree(run_dir)
+    tested = run_cli(tmp_path / "test", "test", f"ckpt=s3://{BUCKET}/runs/two/checkpoints/step-10")
+    assert tested.returncode == 0, output(tested)
+    cached = [p for p in (tmp_path / "cache").rglob("meta.json")]
+    assert len(cached) == 1 and json.loads(cached[0].read_text())["step"] == 10  # that one checkpoint only
+    tuned = run_cli(tmp_path / "tuned", "trainer.max_steps=5", "model.dropout=0.2", f"init_from=s3://{BUCKET}/runs/two")
+    assert tuned.returncode == 0, output(tuned)
+    steps = sorted(json.loads(p.read_text())["step"] for p in (tmp_path / "cache").rglob("meta.json"))
+    assert steps == [10, 20]  # init_from=: the newest
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("overrides, expected", [
+    (["checkpoint.remote=htf-bucket/runs/x"], "checkpoint.remote='htf-bucket/runs/x': not a URL"),
+    (["checkpoint.remote=nosuch://htf-bucket/x"], "checkpoint.remote='nosuch://htf-bucket/x': unknown scheme nosuch://"),
+    ([f"checkpoint.remote=s3://{KEY_ID}:{SECRET}@htf-bucket/x"],
+     "checkpoint.remote='s3://***@htf-bucket/x': the URL holds credentials"),
+    ([f"+checkpoint.remote_options.secret={SECRET}", "checkpoint.remote=s3://htf-bucket/x"],
+     "checkpoint.remote_options.secret: a secret in the config would be saved with the run"),
+    (["checkpoint.remote=s3://no-such-bucket/x"],
+     "checkpoint.remote='s3://no-such-bucket/x': cannot write there: not found (The specified bucket does not exist)"),
+    (["checkpoint.remote=s3://htf-bucket/x", "checkpoint.remote_options.endpoint_url=http://127.0.0.1:9"],
+     "checkpoint.remote='s3://htf-bucket/x': cannot write there: the endpoint cannot be reached"),
+    (["checkpoint.remote=s3://htf-bucket/x", "NO_CREDENTIALS"],
+     "checkpoint.remote='s3://htf-bucket/x': cannot write there: no credentials found"),
+    (["resume=s3://htf-bucket/nothing"], "resume='s3://htf-bucket/nothing': no published checkpoint under"),
+    (["test", "ckpt=s3://no-such-bucket/run"], "ckpt='s3://no-such-bucket/run': no such bucket 'no-such-bucket'"),
+    (["init_from=s3://htf-bucket/x/checkpoints/best"], "init_from='s3://htf-bucket/x/checkpoints/best': no published"),
+])
+def test_a_bad_remote_is_one_line_before_training(s3, tmp_path, monkeypatch, overrides, expected):
+    if "NO_CREDENTIALS" in overrides:
+        overrides = [o for o in overrides if o != "NO_CREDENTIALS"]
+        monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+        monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    start = time.perf_counter()
+    line = one_error_line(run_cli(tmp_path / "run", *overrides))
+    assert line.startswith(f"Error: {expected}"), line
+    assert SECRET not in line
+    assert time.perf_counter() - start < 30  # bounded: connect timeout, few retries
+    assert not (tmp_path / "run").exists()  # refused before the run started: nothing left
+
+
+def test_without_s3fs_the_command_line_names_the_extra(s3, tmp_path):
+    shadow = tmp_path / "shadow" / "s3fs"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError(\"No module named 's3fs'\")\n")
+    proc = run_cli(tmp_path / "run", "checkpoint.remote=s3://htf-bucket/x",
+                   env={"PYTHONPATH": on_pythonpath(shadow.parent)})
+    line = one_error_line(proc)
+    assert line == ("Error: checkpoint.remote='s3://htf-bucket/x': s3:// needs a library that is not installed: "
+                    "pip install 'hydra-torch-framework[s3]'"), output(proc)
+
+
+# ---------------------------------------------------------------------------------------------- the store failing
+class Outage(Callback):
+    """Stops the S3 server once the first checkpoint is published, and starts it again at step `back_at` once the
+    mirror has said the upload failed: in this process, where the test's server runs."""
+
+    moto: Any = None
+    fs: Any = None
+    warned = threading.Event()
+
+    def __init__(self, back_at: int, prefix: str) -> None:
+        self.back_at, self.prefix, self.down = back_at, prefix, False
+
+    def on_train_batch_end(self, trainer: Any, task: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        published = f"{BUCKET}/{self.prefix}/checkpoints/step-10.json"
+        if not self.down and 10 < step < self.back_at and _wait(lambda: self.fs.exists(published)):
+            Outage.moto.stop()
+            self.down = True
+        if self.down and step == self.back_at:
+            assert Outage.warned.wait(60), "the mirror never said the upload failed"
+            Outage.moto.start()
+            self.down = False
+
+
+def _wait(condition: Any, timeout: float = 60) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+class _Warned(logging.Handler):
+    def emit(self, record: Any) -> None:
+        if "upload failed" in record.getMessage():
+            Outage.warned.set()
+
+
+def test_a_store_failing_mid_run_is_one_warning_and_the_next_checkpoint_retries(s3, moto, tmp_path):
+    Outage.moto, Outage.fs = moto, s3
+    Outage.warned.clear()
+    handler = _Warned()
+    logging.getLogger("framework.checkpoint.mirror").addHandler(handler)
+    try:
+        proc = run_cli(tmp_path / "run", *COMMON, "trainer.max_steps=40", "checkpoint.every_n_steps=10",
+                       "checkpoint.keep_last=-1", f"checkpoint.remote=s3://{BUCKET}/runs/out",
+                       "+callbacks.outage._target_=test_remote_checkpoints.Outage", "+callbacks.outage.back_at=25",
+                       "+callbacks.outage.prefix=runs/out", fast=False)
+    finally:
+        logging.getLogger("framework.checkpoint.mirror").removeHandler(handler)
+        if not _wait(lambda: _up(moto), 1):
+            moto.start()
+    assert proc.returncode == 0, output(proc)
+    warnings = [line for line in output(proc).splitlines() if "upload failed" in line]
+    assert len(warnings) == 1, output(proc)
+    assert warnings[0].startswith(f"checkpoint.remote='s3://{BUCKET}/runs/out': upload failed: the endpoint cannot "
+                                  "be reached"), warnings[0]
+    assert "Traceback" not in output(proc)
+    assert {"step-10", "step-20", "step-30", "step-40", "last"} <= set(manifests(s3, "runs/out"))  # retried
+
+
+def _up(moto: Moto) -> bool:
+    try:
+        return requests.get(f"{moto.endpoint}/moto-api/", timeout=1).status_code < 500
+    except requests.RequestException:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------- kill, then resume
+@pytest.mark.slow
+def test_a_run_killed_with_its_local_directory_gone_resumes_from_the_remote_bit_identical(s3, tmp_path):
+    common = (*COMMON, "trainer.max_steps=50", "checkpoint.every_n_steps=20", "checkpoint.keep_last=1")
+    whole = run_cli(tmp_path / "whole", *common, fast=False)
+    assert whole.returncode == 0, output(whole)
+    url = f"s3://{BUCKET}/runs/killed"
+    uploaded = tmp_path / "uploaded"
+
+    def signal_once_published() -> None:  # the kill comes once step 20 is on the remote, however slow the machine
+        if _wait(lambda: s3.exists(f"{BUCKET}/runs/killed/checkpoints/step-20.json"), 150):
+            uploaded.touch()
+
+    watcher = threading.Thread(target=signal_once_published, daemon=True)
+    watcher.start()
+    killed = run_cli(tmp_path / "killed", *common, f"checkpoint.remote={url}", fast=False,
+                     env={"PYTHONPATH": on_pythonpath(KILLHOOK), "KILL_AT_STEP": "30", "KILL_SIGNAL": "SIGKILL",
+                          "KILL_WHEN_EXISTS": str(uploaded)})
+    assert killed.returncode == -signal.SIGKILL, output(killed)
+    shutil.rmtree(tmp_path / "killed")  # the node and its disk are gone
+    resumed = run_cli(tmp_path / "elsewhere", f"resume={url}", "logger.progress_bar=false", fast=False)
+    assert resumed.returncode == 0, output(resumed)
+    assert "at step 20" in output(resumed)
+    assert_identical(final_state(tmp_path / "whole"), final_state(tmp_path / "elsewhere"))
+    summaries = [json.loads((tmp_path / d / "summary.json").read_text()) for d in ("whole", "elsewhere")]
+    for key in [k for k in summaries[0] if k.startswith(("val/", "test/", "train/", "best/"))]:
+        assert summaries[0][key] == summaries[1][key], key
+    assert manifests(s3, "runs/killed")["last"]["step"] == 50  # and it went on uploading to the same remote
