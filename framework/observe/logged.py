@@ -68,6 +68,10 @@ class EvalLog:
     set_name: str = ""
     _metric_sets: dict[str, tuple[str, str]] = field(default_factory=dict)  # a Metric's path -> (name, set) logged
 
+    def start_set(self, name: str) -> None:
+        """What is logged from here on is the set `name`'s ("": the default set's, or an epoch hook's)."""
+        self.set_name = name
+
     def add_metric(self, name: str, path: str) -> None:
         """A Metric logged (`path`: where it lives in the task), computed over every rank at the end."""
         first = self._metric_sets.setdefault(path, (name, self.set_name))
@@ -127,7 +131,8 @@ class EvalLog:
         sums = [*(extra_sums.get(n, zero) for n in names), *(total(n) for n in summed)]
         weights = [float(counts.get(n, 0)) for n in names]
         weights += [self.entries[n].weight if n in self.entries else 0.0 for n in summed]
-        stacked = torch.cat([torch.stack(sums) if sums else zero.new_zeros(0), torch.tensor(weights, device=self.device)])
+        summed_up = torch.stack(sums) if sums else zero.new_zeros(0)
+        stacked = torch.cat([summed_up, torch.tensor(weights, device=self.device)])
         totals = strategy.all_reduce_sum(stacked).tolist() if len(stacked) else []  # (the same length on every rank)
         reduced, samples = totals[: k + m], totals[k + m :]
         outputs = {f"{self.stage}/{n}": (v / c if c > 0 else math.nan) for n, v, c in zip(names, reduced, samples)}

@@ -215,11 +215,13 @@ class MetricLogger:
     def evaluation_set(self, name: str) -> Iterator[None]:
         """The steps of the set `name` ("": the default set) run meanwhile: what they log is that set's."""
         assert self.eval_log is not None  # within `evaluation`
-        self.eval_log.set_name, self.set_suffix = name, f"/{name}" if name else ""
+        self.eval_log.start_set(name)
+        self.set_suffix = f"/{name}" if name else ""
         try:
             yield
         finally:
-            self.eval_log.set_name, self.set_suffix = "", ""
+            self.eval_log.start_set("")
+            self.set_suffix = ""
 
     # -------------------------------------------------------------------------------- what is written
     def write(self, metrics: dict[str, float], step: int) -> None:
