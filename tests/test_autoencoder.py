@@ -5,6 +5,7 @@ its own reader) and in summary.json, each summary number the last point of its s
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,12 +18,18 @@ pytestmark = pytest.mark.e2e
 SHORT = ("logger.progress_bar=false", "trainer.max_epochs=3", "trainer.limit_train_batches=4")
 
 
-def test_the_autoencoder_validates_on_both_sets_and_its_summary_holds_their_series_last_points(tmp_path):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("autoencoder")
+    api.run(["experiment=autoencoder", *SHORT, f"hydra.run.dir={run_dir}"])
+    return run_dir
+
+
+def test_the_autoencoder_validates_on_both_sets_and_its_summary_holds_their_series_last_points(trained):
     cfg = api.compose(["experiment=autoencoder", *SHORT])
     assert list(cfg.data.val_sets) == ["noisy"] and list(cfg.data.test_sets) == ["noisy"]
-    summary = api.run(["experiment=autoencoder", *SHORT, f"hydra.run.dir={tmp_path}"])
-    assert summary == json.loads((tmp_path / "summary.json").read_text())
-    series = read_scalars(tmp_path)
+    summary = json.loads((trained / "summary.json").read_text())
+    series = read_scalars(trained)
     for name in ("val/loss", "val/loss/noisy"):
         assert [step for step, _ in series[name]] == [4, 8, 12]  # every epoch's end, each set
         assert summary[name] == pytest.approx(series[name][-1][1], rel=1e-6)  # (TensorBoard keeps float32)
@@ -31,6 +38,20 @@ def test_the_autoencoder_validates_on_both_sets_and_its_summary_holds_their_seri
         assert summary[name] == pytest.approx(series[name][-1][1], rel=1e-6)
     # The noisy digits are harder to bring back than the clean ones: the two sets are two different numbers.
     assert summary["val/loss/noisy"] > summary["val/loss"] > 0
+
+
+@pytest.mark.parametrize("stage", ["validate", "test"])
+def test_the_validate_and_test_stages_evaluate_every_set_of_the_best_weights(trained, tmp_path, stage):
+    summary = api.run([stage, f"ckpt={trained}", f"hydra.run.dir={tmp_path}", "logger.progress_bar=false"])
+    fit, series = json.loads((trained / "summary.json").read_text()), read_scalars(trained)
+    best_step = summary["step"]  # the best checkpoint's: the lowest val/loss
+    if stage == "validate":
+        at_best = {name: dict(series[name])[best_step] for name in ("val/loss", "val/loss/noisy")}
+        assert {k: summary[k] for k in at_best} == pytest.approx(at_best, rel=1e-6)
+    else:
+        assert {k: summary[k] for k in ("test/loss", "test/loss/noisy")} == {
+            k: fit[k] for k in ("test/loss", "test/loss/noisy")
+        }  # fit tested the same weights
 
 
 def test_the_noisy_set_is_the_same_digits_with_the_same_noise_every_time():
