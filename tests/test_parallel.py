@@ -96,6 +96,24 @@ def test_validation_metrics_are_exact_over_uneven_shards(compose, tmp_path):
     assert reported["world_size"] == 2
 
 
+def test_a_second_validation_sets_metrics_are_exact_over_uneven_shards(compose, tmp_path):
+    # val: 271 images; the second set (`held`, the test split at 0.1005): 181, shards of 91 and 90, batches of 50
+    shape = ("data.train.val_fraction=0.151", "data.train.test_fraction=0.1005", "data.eval_batch_size=50",
+             "trainer.max_steps=5", "+data.val_sets.held={_target_: framework.zoo.datasets.digits, split: test, "
+             "val_fraction: ${data.train.val_fraction}, test_fraction: ${data.train.test_fraction}}")
+    weights = run_ddp(job_cfg(compose, "parallel=ddp", *shape), tmp_path / "ddp")
+    reported = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    single = Trainer(job_cfg(compose, *shape), tmp_path / "single")
+    assert len(single.run.data.datasets["val_sets.held"]) == 181
+    single.run.task.model.load_state_dict(weights)
+    local = single.run.evaluator.run("val", 0)
+    for name in ("val/acc", "val/acc/held"):
+        assert reported[name] == pytest.approx(local[name], abs=1e-7)
+    for name in ("val/loss", "val/loss/held"):
+        assert reported[name] == pytest.approx(local[name], rel=1e-5)
+    assert reported["val/loss/held"] != reported["val/loss"] and reported["world_size"] == 2
+
+
 def _run_dirs(cwd: Path) -> list[Path]:
     return [p for p in (cwd / "outputs").glob("*/*") if p.is_dir()]
 

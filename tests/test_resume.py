@@ -85,6 +85,23 @@ def test_sigkill_after_a_periodic_checkpoint_resumes_bit_exact(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_kill_mid_epoch_resumes_a_second_validation_sets_series_and_best_exactly(tmp_path):
+    whole, killed, resumed, run_dir = scenario(
+        tmp_path, "trainer.max_steps=70", "checkpoint.every_n_steps=25", "checkpoint.async_save=false",
+        "+data.val_sets.held={_target_: framework.zoo.datasets.digits, split: test}",
+        "checkpoint.monitor=val/loss/held", "checkpoint.mode=min", kill_at=37, kill_signal="SIGKILL")
+    assert killed.returncode == -signal.SIGKILL
+    uninterrupted, again = read_scalars(tmp_path / "whole"), read_scalars(run_dir)
+    assert len(uninterrupted["val/loss/held"]) >= 2
+    for name in ("val/loss", "val/loss/held", "val/acc/held"):
+        assert again[name] == uninterrupted[name], name  # the same steps, the same values, none twice
+    summaries = [json.loads((d / "summary.json").read_text()) for d in (tmp_path / "whole", run_dir)]
+    for name in ("val/loss/held", "best/val/loss/held", "test/loss", "best_checkpoint"):
+        assert summaries[1][name] == (summaries[0][name] if name != "best_checkpoint" else
+                                      summaries[0][name].replace(str(tmp_path / "whole"), str(run_dir))), name
+
+
+@pytest.mark.slow
 def test_sigterm_mid_epoch_with_worker_processes_saves_last_and_resumes_bit_exact(tmp_path):
     whole, killed, resumed, run_dir = scenario(
         tmp_path, "trainer.max_epochs=3", "data.num_workers=2", "data.persistent_workers=true",

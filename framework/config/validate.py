@@ -523,6 +523,38 @@ def _backends(value: str) -> Optional[list[str]]:
     return names
 
 
+SET_NAME = re.compile(r"[A-Za-z0-9_-]+")  # one path component of a metric name: val/loss/<set>
+
+
+def _check_sets(data: DictConfig) -> None:
+    """data.val_sets / data.test_sets: more validation and test sets beside data.val / data.test (the default set), by
+    name, each a dataset node or null (off); a name is the suffix of the set's metric names (docs/logging.md)."""
+    for split in ("val", "test"):
+        key = f"{split}_sets"
+        named = data.get(key)
+        if named is None:
+            continue
+        example = f"data.{key}: {{noisy: {{_target_: ...}}}}"
+        _require(
+            isinstance(named, DictConfig), f"data.{key}", named, f"a mapping of set name to dataset, e.g. {example}"
+        )
+        for name in named:
+            _require(
+                isinstance(name, str) and SET_NAME.fullmatch(name) is not None,
+                f"data.{key}",
+                name,
+                "set names of letters, digits, _ and - (a set's metrics are named <name>/<set>, e.g. val/loss/noisy)",
+            )
+        sets = [name for name, node in named.items() if node is not None]
+        _require(
+            not sets or data.get(split) is not None or (split == "val" and data.get("fold") is not None),
+            f"data.{split}",
+            None,
+            f"a dataset node beside data.{key} ({', '.join(sets)}): data.{split} is the default set, whose metrics "
+            f"keep their names ({split}/loss), and the sets of data.{key} are added to it",
+        )
+
+
 def _check_data(data: DictConfig) -> None:
     _require(
         "train" not in data or data.train is not None,
@@ -530,6 +562,7 @@ def _check_data(data: DictConfig) -> None:
         None,
         "a dataset node (with _target_): every run trains on data.train",
     )
+    _check_sets(data)
     for name, low, null in DATA_COUNTS:
         if name in data:
             _check_int(f"data.{name}", data[name], low, null=null)

@@ -14,6 +14,10 @@ A split that is a `torch.utils.data.IterableDataset` (WebDataset shards, a token
 
 `folds=K, fold=i` (k-fold cross-validation, framework/data/folds.py): fold i of the train split is the val split, the
 other folds the train split.
+
+Several validation or test sets (Lightning's list of val/test loaders): `val` stays the default set; `val_sets` (and
+`test_sets`) map a name to a dataset each, evaluated after it in config order (dataloader_idx 1, 2, ...). Each is a
+split of its own here, keyed by its config path (`val_sets.noisy`), so it is batched, sharded and identified as `val`.
 """
 
 from __future__ import annotations
@@ -138,8 +142,12 @@ class DataModule:
         test_shards: Optional[str] = None,
         folds: Optional[int] = None,
         fold: Optional[int] = None,
+        val_sets: Optional[Mapping[str, Optional[Dataset]]] = None,
+        test_sets: Optional[Mapping[str, Optional[Dataset]]] = None,
     ) -> None:
-        self.datasets = {"train": train, "val": val, "test": test}
+        self.datasets: dict[str, Optional[Dataset]] = {"train": train, "val": val, "test": test}
+        for split, named in (("val", val_sets), ("test", test_sets)):
+            self.datasets.update({f"{split}_sets.{name}": dataset for name, dataset in (named or {}).items()})
         kfold.check(folds, fold)
         self.folds, self.fold = folds, fold
         self.fold_split: Optional[kfold.FoldSplit] = None  # made by setup, from the run's seed
@@ -165,6 +173,14 @@ class DataModule:
 
     def has(self, split: str) -> bool:
         return self.datasets.get(split) is not None
+
+    def sets(self, split: str) -> dict[str, str]:
+        """The sets `split` is evaluated on, in order (their position is Lightning's dataloader_idx): each one's key
+        in `datasets` (and under `data.`), to its name, "" for the split's own (`val`), the default set."""
+        found = {split: ""} if self.has(split) else {}
+        prefix = f"{split}_sets."
+        found.update({key: key[len(prefix) :] for key in self.datasets if key.startswith(prefix) and self.has(key)})
+        return found
 
     def setup(self, seed: int, rank: int = 0, world_size: int = 1) -> None:
         """Build one loader per split; they are reused every epoch (so persistent workers persist)."""

@@ -7,6 +7,10 @@ logger's `EvalLog`; the task's epoch hooks run after the last batch, before that
 then its stateful metrics (`epoch_metrics`, reduced by torchmetrics). The loss it averages from what the steps
 return is declared lower-is-better (framework/observe/best.py). Under FSDP a rank with fewer batches runs
 empty ones, so every rank gathers the weights as often as the others.
+
+A split with several sets (`data.val_sets`, `data.test_sets`: Lightning's several loaders) runs them in one pass, in
+order, between one pair of epoch hooks: each step is given the set's dataloader_idx, each set's names end in `/<set>`
+(the default set's keep theirs), and each set's means are over its own samples, reduced with the others' at once.
 """
 
 from __future__ import annotations
@@ -35,6 +39,13 @@ def move_to(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         return {k: move_to(v, device) for k, v in batch.items()}
     return batch
+
+
+def _with_index(hook: Optional[Callable[..., Any]], index: Optional[int]) -> Optional[Callable[..., Any]]:
+    """A batch hook given `index` as its last argument (dataloader_idx) where not None, as Lightning calls it."""
+    if hook is None or index is None:
+        return hook
+    return lambda *args: hook(*args, index)
 
 
 def rows(batch: Any, n: int) -> Any:
@@ -81,20 +92,13 @@ class Evaluator:
 
     @torch.no_grad()
     def run(self, split: str, step: int) -> dict[str, float]:
-        """Loss, step metrics, logged values and stateful metrics of `split` ("val" or "test"), logged at `step`."""
+        """Loss, step metrics, logged values and stateful metrics of `split` ("val" or "test"), logged at `step`: of
+        every set of the split (`data.sets`), each set's named `<name>/<set>` but the default set's, reduced at once."""
         method = "validation_step" if split == "val" else "test_step"
-        step_fn, where = self.step_fns[method], f"{type(self.task).__name__}.{method}"
-        overfit = bool(self.overfit) and split == "val"
-        available = self.overfit if overfit else self.data.num_batches(split)
-        batches = available if overfit else limit(self.limits[split], available)
-        # A sharded model's forward gathers weights from every rank: a rank with fewer batches runs empty ones.
-        rounds = max(self.strategy.gather_objects(batches)) if self.strategy.collective_forward else batches
         hook = "validation" if split == "val" else "test"
-        batch_start, batch_end = (
-            task_hooks.bound_if_defined(self.task, f"on_{hook}_batch_{when}") for when in ("start", "end")
-        )
+        sets = self.data.sets(split)
         sums: dict[str, torch.Tensor] = {}
-        count, batch = 0, None
+        counts: dict[str, int] = {}
         self.task.eval()
         try:
             with (
@@ -102,42 +106,89 @@ class Evaluator:
                 self.metric_logger.evaluation(split) as logged,
             ):
                 task_hooks.call_if_defined(self.task, f"on_{hook}_epoch_start")
-                data = self.overfit_batches() if overfit else self.data.batches(split)
-                for i, batch in enumerate(itertools.islice(data, batches)):
-                    batch = move_to(batch, self.device)
-                    n = self.task.batch_size(batch)
-                    self.metric_logger.begin_batch(n)
-                    if batch_start is not None:
-                        batch_start(batch, i)
-                    with self.precision.autocast():
-                        returned = step_fn(batch, i)
-                    out = as_step_output(returned, where, training=False)
-                    if batch_end is not None:
-                        batch_end(returned, batch, i)
-                    if out is not None:
-                        for name, value in itertools.chain((("loss", out.loss),), out.metrics.items()):
-                            weighted = value.detach().float() * n
-                            sums[name] = sums[name] + weighted if name in sums else weighted
-                    count += n
-                for _ in range(rounds - batches):
-                    self.idle_step(step_fn, batch)
+                stateful: dict[str, float] = {}
+                for index, (key, name) in enumerate(sets.items()):
+                    # Lightning passes dataloader_idx (to the step and the batch hooks) only when there are several.
+                    where, suffix = index if len(sets) > 1 else None, f"/{name}" if name else ""
+                    with self.metric_logger.evaluation_set(name):
+                        self._run_set(split, key, where, suffix, sums, counts)
+                    if index < len(sets) - 1:  # each set's own, before the next set's batches update them
+                        stateful.update(self.epoch_metrics(split, suffix))
                 task_hooks.call_if_defined(self.task, f"on_{hook}_epoch_end")
-                stateful = self.epoch_metrics(split)
+                stateful.update(self.epoch_metrics(split, f"/{name}" if name else ""))  # the last set's
         finally:
             self.task.train()
-        outputs, values = logged.finish(self.strategy, self.task, sums, count)
-        if f"{split}/loss" in outputs and f"{split}/loss" not in values:  # the loss the steps returned: ours
-            self.metric_logger.best.declare_loss(f"{split}/loss", method)
+        outputs, values = logged.finish(self.strategy, self.task, sums, counts)
+        for name in sets.values():
+            loss = f"{split}/loss/{name}" if name else f"{split}/loss"
+            if loss in outputs and loss not in values:  # the loss the steps returned: ours
+                self.metric_logger.best.declare_loss(loss, method)
         metrics = {**outputs, **values, **stateful}
         self.metric_logger.write(metrics, step)
         return metrics
 
-    def epoch_metrics(self, split: str) -> dict[str, float]:
-        """The task's `epoch_metrics` as `<split>/<name>`: a value it computed, or a torchmetrics Metric it returned,
-        computed here (over every rank) and reset, its `higher_is_better` its direction."""
+    def _run_set(
+        self,
+        split: str,
+        key: str,
+        index: Optional[int],
+        suffix: str,
+        sums: dict[str, torch.Tensor],
+        counts: dict[str, int],
+    ) -> None:
+        """One set's batches (`key`: its split in the DataModule; `index`: the dataloader_idx its steps are given, or
+        None), their step outputs' batch-size-weighted sums added to `sums` as `<name><suffix>`, the set's samples to
+        `counts` under the same names."""
+        method = "validation_step" if split == "val" else "test_step"
+        step_fn, where = self._step(method, index), f"{type(self.task).__name__}.{method}"
+        overfit = bool(self.overfit) and key == "val"
+        available = self.overfit if overfit else self.data.num_batches(key)
+        batches = available if overfit else limit(self.limits[split], available)
+        # A sharded model's forward gathers weights from every rank: a rank with fewer batches runs empty ones.
+        rounds = max(self.strategy.gather_objects(batches)) if self.strategy.collective_forward else batches
+        hook = "validation" if split == "val" else "test"
+        batch_start, batch_end = (
+            _with_index(task_hooks.bound_if_defined(self.task, f"on_{hook}_batch_{when}"), index)
+            for when in ("start", "end")
+        )
+        names: set[str] = set()
+        count, batch = 0, None
+        data = self.overfit_batches() if overfit else self.data.batches(key)
+        for i, batch in enumerate(itertools.islice(data, batches)):
+            batch = move_to(batch, self.device)
+            n = self.task.batch_size(batch)
+            self.metric_logger.begin_batch(n)
+            if batch_start is not None:
+                batch_start(batch, i)
+            with self.precision.autocast():
+                returned = step_fn(batch, i)
+            out = as_step_output(returned, where, training=False)
+            if batch_end is not None:
+                batch_end(returned, batch, i)
+            if out is not None:
+                for name, value in itertools.chain((("loss", out.loss),), out.metrics.items()):
+                    weighted, name = value.detach().float() * n, name + suffix
+                    sums[name] = sums[name] + weighted if name in sums else weighted
+                    names.add(name)
+            count += n
+        for _ in range(rounds - batches):
+            self.idle_step(step_fn, batch)
+        counts.update(dict.fromkeys(names, count))
+
+    def _step(self, method: str, index: Optional[int]) -> Callable[[Any, int], Any]:
+        """The step as a callable of `(batch, batch_idx)`, given `index` as its dataloader_idx where not None."""
+        step_fn = self.step_fns[method]
+        if index is None:
+            return step_fn
+        return lambda batch, batch_idx: step_fn(batch, batch_idx, index)  # type: ignore[call-arg]
+
+    def epoch_metrics(self, split: str, suffix: str = "") -> dict[str, float]:
+        """The task's `epoch_metrics` as `<split>/<name><suffix>` (a set's `/<set>`): a value it computed, or a
+        torchmetrics Metric it returned, computed here (over every rank) and reset, its `higher_is_better` its
+        direction. Called after each set's batches, the last set's (the only one, mostly) after the epoch-end hook."""
         values: dict[str, float] = {}
         for name, value in self.task.epoch_metrics(split).items():
-            key = f"{split}/{name}"
+            key = f"{split}/{name}{suffix}"
             if is_metric(value):
                 self.metric_logger.best.declare_metric(key, value)
                 values[key] = float(value.compute())

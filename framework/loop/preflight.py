@@ -91,13 +91,16 @@ class CheckHandle:
 
     def __init__(self, is_global_zero: bool, best: Best, optimizers: int = 1, schedules: int = 0) -> None:
         self.stage, self.is_global_zero, self.best = "train", is_global_zero, best
+        self.set_suffix = ""  # "/<set>" while a batch of a set other than the default one is checked
         self.callback_metrics: dict[str, float] = {}
         self.names: list[str] = []
         self.task_optimizers = NoSteps(optimizers, schedules)  # a manual step's forward runs; nothing is stepped
 
-    def log_from_task(self, name: str, value: Any, best: Optional[str] = None, **_options: Any) -> None:
+    def log_from_task(
+        self, name: str, value: Any, best: Optional[str] = None, add_dataloader_idx: bool = True, **_options: Any
+    ) -> None:
         as_tensor(name, value)  # a value of the wrong kind is refused here, before training
-        name = stage_name(name, self.stage)
+        name = stage_name(name, self.stage) + (self.set_suffix if add_dataloader_idx else "")
         self.best.declare_logged(name, value, best)
         if self.stage == "val":
             self.names.append(name)
@@ -155,48 +158,83 @@ def _check(
     monitors: dict[str, str],
     splits: tuple[str, ...],
 ) -> list[str]:
-    """The first batch of each split through `shadow` (the task's throw-away copy, or the task itself)."""
-    strategy, data = evaluator.strategy, evaluator.data
+    """The first batch of each set of each split through `shadow` (the task's throw-away copy, or the task itself)."""
+    data = evaluator.data
     shadow.eval()
     names: list[str] = []
     for split in splits:
-        batch = data.first_batch(split) if data.has(split) else None
         handle.stage = split
-        if batch is None:
-            if data.has(split) and strategy.collective_forward:  # this rank's shard is empty
-                evaluator.idle_step(step_function(shadow, STEPS[split]), None)
-                if split == "val":
-                    shadow.epoch_metrics("val")  # synchronised over the ranks, as theirs
-            continue
-        with torch.no_grad(), evaluator.precision.autocast():
-            out = shadow.check_batch(
-                move_to(batch, evaluator.device), split, input_shape=data.input_shape, num_classes=data.num_classes
-            )
+        sets = data.sets(split) if split != "train" else {"train": ""}
+        shown = 0  # sets whose first batch this rank has: with all of them, the names are all there are
+        for index, (key, set_name) in enumerate(sets.items()):
+            handle.set_suffix = f"/{set_name}" if set_name else ""
+            out, seen = _check_set(shadow, evaluator, split, key, index if len(sets) > 1 else None)
+            shown += seen
+            if split == "val":
+                names += [*_val_names(out, handle), *_epoch_names(shadow, handle)]
+        handle.set_suffix = ""
         if split == "val":
-            names = _val_names(out, shadow, handle)
-            _check_monitors(task, monitors, names)
-    return names
-
-
-def _val_names(out: Optional[StepOutput], shadow: Task, handle: CheckHandle) -> list[str]:
-    """The names the first val batch shows; the directions its loss and `epoch_metrics`' Metrics declare."""
-    if out is not None and "val/loss" not in handle.names:  # (a val/loss the task logs is its own)
-        handle.best.declare_loss("val/loss", "validation_step")
-    epoch = shadow.epoch_metrics("val")
-    for name, value in epoch.items():
-        handle.best.declare_metric(f"val/{name}", value)
-    names = [
-        *(["val/loss"] if out is not None else []),
-        *(f"val/{n}" for n in (out.metrics if out else {})),
-        *handle.names,
-        *(f"val/{name}" for name in epoch),
-    ]
+            if shown == len(sets):
+                _check_monitors(task, monitors, names, list(sets.values()))
     return list(dict.fromkeys(names))
 
 
-def _check_monitors(task: Task, monitors: dict[str, str], names: list[str]) -> None:
+def _check_set(
+    shadow: Task, evaluator: Evaluator, split: str, key: str, index: Optional[int]
+) -> tuple[Optional[StepOutput], bool]:
+    """The first batch of one set (`key`: its split in the DataModule; `index`: its dataloader_idx, or None) through
+    the step of `split`: its output, and whether this rank had a batch."""
+    data = evaluator.data
+    batch = data.first_batch(key) if data.has(key) else None
+    if batch is None:
+        if data.has(key) and evaluator.strategy.collective_forward:  # this rank's shard is empty
+            step = step_function(shadow, STEPS[split])
+            evaluator.idle_step(step if index is None else lambda b, i: step(b, i, index), None)  # type: ignore[call-arg]
+        return None, False
+    index_given = {} if index is None else {"dataloader_idx": index}  # (a check_batch of a task's own may take none)
+    with torch.no_grad(), evaluator.precision.autocast():
+        out = shadow.check_batch(
+            move_to(batch, evaluator.device),
+            split,
+            input_shape=data.input_shape,
+            num_classes=data.num_classes,
+            **index_given,
+        )
+    return out, True
+
+
+def _val_names(out: Optional[StepOutput], handle: CheckHandle) -> list[str]:
+    """The names a set's first val batch shows (its loss declared lower-is-better, unless the task logs it)."""
+    loss = f"val/loss{handle.set_suffix}"
+    if out is not None and loss not in handle.names:  # (a val/loss the task logs is its own)
+        handle.best.declare_loss(loss, "validation_step")
+    return [
+        *([loss] if out is not None else []),
+        *(f"val/{n}{handle.set_suffix}" for n in (out.metrics if out else {})),
+        *handle.names,
+    ]
+
+
+def _epoch_names(shadow: Task, handle: CheckHandle) -> list[str]:
+    """What `epoch_metrics` computes after a set's batches; the directions its Metrics declare."""
+    epoch = shadow.epoch_metrics("val")  # (on a rank with no batch too: synchronised over the ranks, as theirs)
+    for name, value in epoch.items():
+        handle.best.declare_metric(f"val/{name}{handle.set_suffix}", value)
+    return [f"val/{name}{handle.set_suffix}" for name in epoch]
+
+
+def _check_monitors(task: Task, monitors: dict[str, str], names: list[str], sets: list[str]) -> None:
     if task_hooks.defines(task, "on_validation_epoch_end"):  # (Lightning allows no self.log in on_validation_end)
         return
     for key, monitor in monitors.items():
         if monitor not in names:
-            raise ConfigError(f"{key}={monitor!r}: no such metric; expected one of {', '.join(names)}")
+            raise ConfigError(f"{key}={monitor!r}: no such metric; expected one of {shown_names(names, sets)}")
+
+
+def shown_names(names: list[str], sets: list[str]) -> str:
+    """The metric names a monitor may name, and where the split has several sets, their names (docs/logging.md)."""
+    shown = ", ".join(dict.fromkeys(names))
+    if len(sets) > 1:
+        named = ", ".join(f"/{name}" for name in sets if name)
+        shown += f" (the default set's names have no suffix; the other sets' end in {named})"
+    return shown

@@ -40,7 +40,7 @@ from framework.optim.optimizers import Optimizers, outside_model
 from framework.parallel.memory import PeakMemory, model_devices
 from framework.parallel.precision import Precision
 from framework.parallel.strategy import Strategy, build_strategy
-from framework.task.task import Task, step_function
+from framework.task.task import Task, check_dataloader_idx, step_function
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +141,17 @@ def evaluates(data: DataModule, task: Task, split: str) -> bool:
     return data.has(split) and any(task_hooks.defines(task, step) for step in steps)
 
 
+def check_set_steps(data: DataModule, task: Task) -> None:
+    """Each evaluated split's step against its number of sets: with several, it is given a dataloader_idx (as in
+    Lightning), so it must take one; with one, none, so it must not need one."""
+    for split, method in (("val", "validation_step"), ("test", "test_step")):
+        if not evaluates(data, task, split):
+            continue
+        sets = [f"data.{key}" for key in data.sets(split)]
+        which = f"{' and '.join(sets)} are {len(sets)} sets" if len(sets) > 1 else f"{sets[0]} is the one set"
+        check_dataloader_idx(task, method if task_hooks.defines(task, method) else "validation_step", len(sets), which)
+
+
 def assemble(
     cfg: DictConfig,
     run_dir: Path,
@@ -158,6 +169,7 @@ def assemble(
     hosts = strategy.gather_objects(socket.gethostname())  # the job's record (summary.json), where no launcher has it
     parts = build_components(cfg, strategy, run_dir)
     check_monitors_exist(parts)
+    check_set_steps(parts.data, parts.task)
     limits = limits_of(cfg, parts.data, parts.task)
     progress, stop = Progress(), Stop(strategy, t.min_epochs, t.min_steps)
     tensorboard, bar, metric_logger = _reporting(cfg, strategy, parts, limits, run_dir, resume_from)
@@ -345,7 +357,7 @@ def declare_modes(parts: Components, best: Best) -> None:
     for where, monitor, mode in found:
         if isinstance(monitor, str) and mode in MODES:
             best.declare(monitor, mode, f"{where}.monitor={monitor!r} with {where}.mode={mode}")
-    best.declare_task(parts.task, "val")
+    best.declare_task(parts.task, "val", list(parts.data.sets("val").values()))
 
 
 def restore_into(run: Run, checkpoint: Checkpoint) -> Any:

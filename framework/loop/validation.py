@@ -8,6 +8,7 @@ from typing import Any
 
 from framework.core.errors import ConfigError
 from framework.loop.hooks import Hooks
+from framework.loop.preflight import shown_names
 from framework.loop.restore import load_test_weights
 from framework.loop.run import Run, monitors
 
@@ -24,7 +25,7 @@ class Validation:
         with self.profiler.phase("evaluation"):
             metrics = run.evaluator.run("val", p.step)
         if not self.checked:
-            check_monitors_logged(monitors(run), metrics)
+            check_monitors_logged(monitors(run), metrics, list(run.data.sets("val").values()))
             self.checked = True
         run.metric_logger.best.record(metrics)
         p.validated()
@@ -47,11 +48,12 @@ class Validation:
         self.hooks.quiet("on_test_end", metrics)
 
 
-def check_monitors_logged(watched: dict[str, str], metrics: dict[str, float]) -> None:
-    """The first validation round shows every metric there is (what the steps and the epoch-end hook logged):
-    a monitor naming none of them is one line, before anything acts on it."""
+def check_monitors_logged(watched: dict[str, str], metrics: dict[str, float], sets: list[str]) -> None:
+    """The first validation round shows every metric there is (what the steps and the epoch-end hook logged, in
+    every set): a monitor naming none of them is one line, before anything acts on it."""
     for key, monitor in watched.items():
         if monitor not in metrics:
             raise ConfigError(
-                f"{key}={monitor!r}: no such metric in the first validation; expected one of {', '.join(metrics)}"
+                f"{key}={monitor!r}: no such metric in the first validation; expected one of "
+                f"{shown_names(list(metrics), sets)}"
             )

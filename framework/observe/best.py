@@ -15,7 +15,7 @@ Two sources that disagree are one line naming both, before training where both a
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from framework.core.errors import ConfigError
 
@@ -64,8 +64,9 @@ class Best:
             source = f"{type(metric).__name__}.higher_is_better={higher}"
             self.declare(name, "max" if higher else "min", source)
 
-    def declare_task(self, task: Any, split: str) -> None:
-        """`task.metric_modes()`: the directions of the metrics its steps return and `epoch_metrics` computes."""
+    def declare_task(self, task: Any, split: str, sets: Sequence[str] = ("",)) -> None:
+        """`task.metric_modes()`: the directions of the metrics its steps return and `epoch_metrics` computes, in each
+        of the split's `sets` (by name, "" for the default set: `<split>/<name>`, else `<split>/<name>/<set>`)."""
         where = f"{type(task).__name__}.metric_modes()"
         for name, mode in task.metric_modes().items():
             if mode not in MODES:
@@ -73,7 +74,8 @@ class Best:
                     f"task: {where} gives {name!r}: {mode!r}; expected 'min' (lower is better) or 'max' "
                     "(higher is better)"
                 )
-            self.declare(f"{split}/{name}", mode, f"{where}[{name!r}]")
+            for set_name in sets or ("",):
+                self.declare(f"{split}/{name}" + (f"/{set_name}" if set_name else ""), mode, f"{where}[{name!r}]")
 
     def declare_loss(self, name: str, step: str) -> None:
         """The loss the framework averages from what `step` returns: lower is better, as a loss is."""

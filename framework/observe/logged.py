@@ -52,27 +52,49 @@ class _Entry:
     fx: str
     total: torch.Tensor  # sum of value x weight (mean), sum (sum), running max/min
     weight: float = 0.0
+    set_name: str = ""  # the set whose evaluation logged it ("": the default set, or an epoch hook)
 
 
 @dataclass
 class EvalLog:
-    """What one evaluation (validation or test) logged, reduced over every rank by `finish`."""
+    """What one evaluation (validation or test) logged, reduced over every rank by `finish`. `set_name`: the set
+    whose batches run now (framework/loop/evaluate.py); a name two sets log is refused (each set's own names differ
+    by their suffix, but `add_dataloader_idx=False` takes the name as it is)."""
 
     stage: str
     device: torch.device
     entries: dict[str, _Entry] = field(default_factory=dict)
     metrics: dict[str, str] = field(default_factory=dict)  # name -> the logged Metric's path in the task
+    set_name: str = ""
+    _metric_sets: dict[str, tuple[str, str]] = field(default_factory=dict)  # a Metric's path -> (name, set) logged
+
+    def start_set(self, name: str) -> None:
+        """What is logged from here on is the set `name`'s ("": the default set's, or an epoch hook's)."""
+        self.set_name = name
 
     def add_metric(self, name: str, path: str) -> None:
         """A Metric logged (`path`: where it lives in the task), computed over every rank at the end."""
+        first = self._metric_sets.setdefault(path, (name, self.set_name))
+        if first[1] != self.set_name:
+            raise ConfigError(
+                f"task: self.log({name!r}, <Metric {path}>) in the set {self.set_name or self.stage!r}: the same "
+                f"Metric was logged as {first[0]!r} in the set {first[1] or self.stage!r}, and one Metric holds one "
+                "set's state; expected a Metric per set (e.g. an nn.ModuleList indexed by dataloader_idx)"
+            )
         self.metrics[name] = path
 
     def add(self, name: str, value: torch.Tensor, fx: str, weight: int) -> None:
         value = value.to(self.device).reshape(()).float()
         entry = self.entries.get(name)
         if entry is None:
-            self.entries[name] = _Entry(fx, value * weight if fx == "mean" else value, float(weight))
+            self.entries[name] = _Entry(fx, value * weight if fx == "mean" else value, float(weight), self.set_name)
             return
+        if entry.set_name != self.set_name:
+            raise ConfigError(
+                f"task: self.log({name!r}, ..., add_dataloader_idx=False) in the sets {entry.set_name or self.stage!r}"
+                f" and {self.set_name or self.stage!r}: one name would hold both; expected a name per set, or "
+                "add_dataloader_idx=True (each set's own name, docs/logging.md)"
+            )
         if fx == "mean":
             entry.total = entry.total + value * weight
         elif fx == "sum":
@@ -82,12 +104,12 @@ class EvalLog:
         entry.weight += weight
 
     def finish(
-        self, strategy: Any, task: nn.Module, extra_sums: dict[str, torch.Tensor], count: float
+        self, strategy: Any, task: nn.Module, extra_sums: dict[str, torch.Tensor], counts: dict[str, int]
     ) -> tuple[dict[str, float], dict[str, float]]:
         """(the step outputs' means, what the task logged), each over every rank, in one all-reduce for the sums
-        (`extra_sums`: batch-size-weighted sums of the step outputs, over `count` samples), plus one gather when a
-        max or min was logged, plus torchmetrics' own synchronisation for each logged Metric (every rank computes
-        every Metric any rank logged)."""
+        (`extra_sums`: batch-size-weighted sums of the step outputs, each over the samples `counts` gives it: its
+        set's), plus one gather when a max or min was logged, plus torchmetrics' own synchronisation for each logged
+        Metric (every rank computes every Metric any rank logged)."""
         gathered = strategy.gather_objects(
             (list(extra_sums), {n: e.fx for n, e in self.entries.items()}, dict(self.metrics))
         )
@@ -104,25 +126,18 @@ class EvalLog:
         def total(name: str) -> torch.Tensor:
             return self.entries[name].total if name in self.entries else zero
 
-        def weight(name: str) -> torch.Tensor:
-            return torch.tensor(self.entries[name].weight if name in self.entries else 0.0, device=self.device)
-
-        stacked = torch.stack(
-            [
-                *(extra_sums.get(n, zero) for n in names),
-                torch.tensor(float(count), device=self.device),
-                *(total(n) for n in summed),
-                *(weight(n) for n in summed),
-            ]
-        )
-        totals = strategy.all_reduce_sum(stacked).tolist()
-        samples = totals[len(names)]
-        outputs = {
-            f"{self.stage}/{n}": (v / samples if samples > 0 else math.nan) for n, v in zip(names, totals[: len(names)])
-        }
-        k, rest = len(summed), totals[len(names) + 1 :]
+        # One all-reduce: the outputs' sums and the logged totals, then the outputs' samples and the logged weights.
+        k, m = len(names), len(summed)
+        sums = [*(extra_sums.get(n, zero) for n in names), *(total(n) for n in summed)]
+        weights = [float(counts.get(n, 0)) for n in names]
+        weights += [self.entries[n].weight if n in self.entries else 0.0 for n in summed]
+        summed_up = torch.stack(sums) if sums else zero.new_zeros(0)
+        stacked = torch.cat([summed_up, torch.tensor(weights, device=self.device)])
+        totals = strategy.all_reduce_sum(stacked).tolist() if len(stacked) else []  # (the same length on every rank)
+        reduced, samples = totals[: k + m], totals[k + m :]
+        outputs = {f"{self.stage}/{n}": (v / c if c > 0 else math.nan) for n, v, c in zip(names, reduced, samples)}
         values: dict[str, float] = {}
-        for name, value, n in zip(summed, rest[:k], rest[k:]):
+        for name, value, n in zip(summed, reduced[k:], samples[k:]):
             values[name] = value if logged[name] == "sum" else (value / n if n > 0 else math.nan)
         if extreme:
             local = {n: float(self.entries[n].total) for n in extreme if n in self.entries}

@@ -9,7 +9,9 @@ What a task logs with `self.log`:
   `Metric` is computed over every rank (by torchmetrics) and reset at the epoch's end, after the task's epoch-end
   hook, as Lightning does;
 - in a test, a `val/` (or `val_`) name is logged as `test/`: Task.test_step runs validation_step by default, and a
-  summary's `val/*` must come from validation only.
+  summary's `val/*` must come from validation only;
+- in the steps of a set other than the default one (`data.val_sets`, `data.test_sets`), `/<set>` is appended to the
+  name (Lightning's `/dataloader_idx_N`), unless the task passes `add_dataloader_idx=False`.
 The trainer's own: the window of per-batch losses (`train/loss` at logging steps, unless the task logs its own
 train/loss; `train/loss_epoch`), learning rates, AMP's scale, per-epoch performance. Values stay on the device;
 they are read with one host sync per logging step and one per epoch. `TaskHandle` is what a task's
@@ -56,6 +58,7 @@ class MetricLogger:
         self.stage = "train"  # what the task's logs are taken as: train, val or test
         self._in_epoch_hook = False  # a training epoch hook is running: self.log defaults to on_epoch there
         self.eval_log: Optional[EvalLog] = None  # what the task logs in the evaluation running now
+        self.set_suffix = ""  # "/<set>" while the steps of a set other than the default one run
         self.batch_n = 1  # samples in the batch being stepped: the weight of what the task logs
         self.forbidden = ""  # the hook running now where self.log is refused (on_validation_end, ...)
         self._task: Optional[Callable[[], Optional[nn.Module]]] = None  # a weak reference: the task holds us
@@ -147,6 +150,7 @@ class MetricLogger:
         reduce_fx: Any = "mean",
         batch_size: Optional[int] = None,
         best: Optional[str] = None,
+        add_dataloader_idx: bool = True,
     ) -> None:
         """Task.log: what each stage does with it is in this module's docstring; `best` declares the direction
         (framework/observe/best.py)."""
@@ -154,7 +158,7 @@ class MetricLogger:
         tensor = as_tensor(name, value)
         if tensor is not None:
             tensor = on_device(tensor, self.device)
-        name = stage_name(name, self.stage)
+        name = stage_name(name, self.stage) + (self.set_suffix if add_dataloader_idx else "")
         if self.forbidden:
             raise ConfigError(
                 f"task: self.log({name!r}, ...) in {self.forbidden}: Lightning does not allow it there "
@@ -206,6 +210,18 @@ class MetricLogger:
             yield self.eval_log
         finally:
             self.stage, self.eval_log, self.batch_n = "train", None, 1
+
+    @contextlib.contextmanager
+    def evaluation_set(self, name: str) -> Iterator[None]:
+        """The steps of the set `name` ("": the default set) run meanwhile: what they log is that set's."""
+        assert self.eval_log is not None  # within `evaluation`
+        self.eval_log.start_set(name)
+        self.set_suffix = f"/{name}" if name else ""
+        try:
+            yield
+        finally:
+            self.eval_log.start_set("")
+            self.set_suffix = ""
 
     # -------------------------------------------------------------------------------- what is written
     def write(self, metrics: dict[str, float], step: int) -> None:

@@ -50,10 +50,10 @@ class ClassificationTask(Task):
         inputs, target = batch
         return StepOutput(self.loss(self.model(inputs), target))
 
-    def validation_step(self, batch: Any, batch_idx: int = 0) -> StepOutput:
+    def validation_step(self, batch: Any, batch_idx: int = 0, dataloader_idx: int = 0) -> StepOutput:
         return self.evaluation_step(batch, "val")
 
-    def test_step(self, batch: Any, batch_idx: int = 0) -> StepOutput:
+    def test_step(self, batch: Any, batch_idx: int = 0, *dataloader_idx: int) -> StepOutput:
         return self.evaluation_step(batch, "test")
 
     def predict_step(self, batch: Any, batch_idx: int = 0) -> dict[str, torch.Tensor]:
@@ -86,7 +86,13 @@ class ClassificationTask(Task):
         return values
 
     def check_batch(
-        self, batch: Any, split: str, *, input_shape: Optional[Sequence[int]] = None, num_classes: Optional[int] = None
+        self,
+        batch: Any,
+        split: str,
+        *,
+        input_shape: Optional[Sequence[int]] = None,
+        num_classes: Optional[int] = None,
+        dataloader_idx: Optional[int] = None,
     ) -> Optional[StepOutput]:
         """Batch, model output, loss and metrics in turn, each failure named by the key to change."""
         inputs, target = self._check_pair(batch, split, input_shape)
@@ -96,7 +102,7 @@ class ClassificationTask(Task):
             self._check_labels(output, target, split, num_classes)
         self._check_loss(output, target, split, shaped)
         self._check_metrics(output, target)
-        return super().check_batch(batch, split)
+        return super().check_batch(batch, split, dataloader_idx=dataloader_idx)
 
     def _check_pair(
         self, batch: Any, split: str, input_shape: Optional[Sequence[int]]

@@ -129,8 +129,10 @@ class Task(nn.Module):
         test, the epoch's mean, weighted by `batch_size` (by default the batch's). `reduce_fx`: mean, sum, max or
         min over the epoch. `logger=False`: not written to TensorBoard, but in the summary, the progress bar and
         what callbacks and monitors see. Evaluation values are always reduced over every rank (`sync_dist` is
-        what happens anyway); `sync_dist_group`, `rank_zero_only`, `enable_graph`, `add_dataloader_idx` and
-        `metric_attribute` change nothing here (see docs/coming_from_lightning.md). `best` (not Lightning's):
+        what happens anyway); `sync_dist_group`, `rank_zero_only`, `enable_graph` and `metric_attribute` change
+        nothing here (see docs/coming_from_lightning.md). In a step of a set other than the default one
+        (`data.val_sets`, `data.test_sets`), the name gets `/<set>` (Lightning's `/dataloader_idx_N`) unless
+        `add_dataloader_idx=False` (docs/logging.md). `best` (not Lightning's):
         "min" where lower is better, "max" where higher is; a validation metric gets `best/<name>`, its best value
         over the run, only where its direction is declared (here, by a monitor's mode, a Metric's
         `higher_is_better` or `metric_modes`; framework/observe/best.py). Outside a run it does nothing."""
@@ -145,6 +147,7 @@ class Task(nn.Module):
                 reduce_fx=reduce_fx,
                 batch_size=batch_size,
                 best=best,
+                add_dataloader_idx=add_dataloader_idx,
             )
 
     def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:
@@ -248,10 +251,10 @@ class Task(nn.Module):
         validated at all (framework/loop/run.py decides it once, `evaluates`)."""
         raise NotImplementedError(f"{type(self).__name__} defines no validation_step: it is not validated")
 
-    def test_step(self, batch: Any, batch_idx: int = 0) -> Any:
-        """`validation_step` by default (Lightning requires a test_step of its own); a task that defines neither
-        is not tested."""
-        return step_function(self, "validation_step")(batch, batch_idx)
+    def test_step(self, batch: Any, batch_idx: int = 0, *dataloader_idx: int) -> Any:
+        """`validation_step` by default (Lightning requires a test_step of its own), given the dataloader_idx this is
+        given (several test sets); a task that defines neither is not tested."""
+        return step_function(self, "validation_step")(batch, batch_idx, *dataloader_idx)
 
     def predict_step(self, batch: Any, batch_idx: int = 0) -> Any:
         """What a predict run writes for a batch (framework/stages/predictions.py): a dict of column name to a tensor
@@ -267,17 +270,25 @@ class Task(nn.Module):
         return len(first) if hasattr(first, "__len__") else 1
 
     def check_batch(
-        self, batch: Any, split: str, *, input_shape: Optional[Sequence[int]] = None, num_classes: Optional[int] = None
+        self,
+        batch: Any,
+        split: str,
+        *,
+        input_shape: Optional[Sequence[int]] = None,
+        num_classes: Optional[int] = None,
+        dataloader_idx: Optional[int] = None,
     ) -> Optional[StepOutput]:
         """Run the step of `split` on its first batch (`training_step`, `validation_step` or `test_step`; the
         trainer calls this on a throw-away copy of the task, in eval mode under no_grad) and report
-        what fails as the task's. `input_shape` and `num_classes` are what `data` declares. Returns the step's
+        what fails as the task's. `input_shape` and `num_classes` are what `data` declares; `dataloader_idx`, the
+        set's, where the split has several (passed to the step then only, as Lightning does). Returns the step's
         output (None when a validation step returns nothing), whose metric names the trainer checks the monitors
         against."""
         method = STEPS[split]
         name = f"{type(self).__name__}.{method}"
         try:
-            out = step_function(self, method)(batch, 0)
+            index = () if dataloader_idx is None else (dataloader_idx,)
+            out = step_function(self, method)(batch, 0, *index)
         except UserError:
             raise
         except Exception as err:
@@ -305,13 +316,36 @@ def _accepts_batch_idx(fn: Callable[..., Any], where: str) -> bool:
         p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     ]
     required = [p for p in positional if p.default is inspect.Parameter.empty]
-    if not positional or len(required) > 2:
+    method = where.rsplit(".", 1)[-1]
+    evaluates = method in ("validation_step", "test_step")  # may take a dataloader_idx: several sets give one
+    if not positional or len(required) > (3 if evaluates else 2):
         shown = ", ".join(p.name for p in params)
+        also = f", or {method}(self, batch, batch_idx, dataloader_idx=0)" if evaluates else ""
         raise ConfigError(
-            f"task: {where}({shown}): expected {where.rsplit('.', 1)[-1]}(self, batch) or "
-            f"{where.rsplit('.', 1)[-1]}(self, batch, batch_idx)"
+            f"task: {where}({shown}): expected {method}(self, batch) or {method}(self, batch, batch_idx){also}"
         )
     return len(positional) >= 2
+
+
+def check_dataloader_idx(task: nn.Module, method: str, sets: int, which: str) -> None:
+    """`task.<method>` takes a third argument, the dataloader_idx its steps are given when its split has several sets
+    (`sets`; `which`: those, in words, by their config keys), and needs none with one set; else one line."""
+    try:
+        params = list(inspect.signature(getattr(task, method)).parameters.values())
+    except (TypeError, ValueError):
+        return
+    positional = [
+        p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    takes = len(positional) >= 3 or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    needs = len([p for p in positional if p.default is inspect.Parameter.empty]) >= 3
+    if (sets > 1 and not takes) or (sets == 1 and needs):
+        shown = ", ".join(p.name for p in params)
+        given = "so each of its steps is given a dataloader_idx" if sets > 1 else "so its steps are given none"
+        raise ConfigError(
+            f"task: {type(task).__name__}.{method}({shown}): {which}, {given}; expected "
+            f"{method}(self, batch, batch_idx, dataloader_idx=0), as Lightning does"
+        )
 
 
 def step_function(task: nn.Module, method: str) -> Callable[[Any, int], Any]:
