@@ -96,6 +96,10 @@ class CheckHandle:
         self.names: list[str] = []
         self.task_optimizers = NoSteps(optimizers, schedules)  # a manual step's forward runs; nothing is stepped
 
+    def checking(self, stage: str, set_name: str = "") -> None:
+        """What the next batches are: `stage`'s, of its set `set_name` ("" the default one)."""
+        self.stage, self.set_suffix = stage, f"/{set_name}" if set_name else ""
+
     def log_from_task(
         self, name: str, value: Any, best: Optional[str] = None, add_dataloader_idx: bool = True, **_options: Any
     ) -> None:
@@ -163,16 +167,16 @@ def _check(
     shadow.eval()
     names: list[str] = []
     for split in splits:
-        handle.stage = split
+        handle.checking(split)
         sets = data.sets(split) if split != "train" else {"train": ""}
         shown = 0  # sets whose first batch this rank has: with all of them, the names are all there are
         for index, (key, set_name) in enumerate(sets.items()):
-            handle.set_suffix = f"/{set_name}" if set_name else ""
+            handle.checking(split, set_name)
             out, seen = _check_set(shadow, evaluator, split, key, index if len(sets) > 1 else None)
             shown += seen
             if split == "val":
                 names += [*_val_names(out, handle), *_epoch_names(shadow, handle)]
-        handle.set_suffix = ""
+        handle.checking(split)
         if split == "val":
             if shown == len(sets):
                 _check_monitors(task, monitors, names, list(sets.values()))
