@@ -77,8 +77,8 @@ def framework_runner(device: str, lengths: tuple[int, ...]) -> Callable[[int, st
 
 # ---------------------------------------------------------------------------------------------- by hand
 def make_nets() -> tuple[Generator, Discriminator, torch.Tensor]:
-    """The generator, the discriminator and the epoch-end grid's noise, drawn in the framework's order (the model,
-    then the task's discriminator and validation_z) from the same seed: the same initial weights."""
+    """The generator, the discriminator and the epoch-end grid's noise, drawn in the task's order (its generator,
+    discriminator and validation_z) from the same seed: the same initial weights."""
     torch.manual_seed(SEED)
     generator = Generator(latent_dim=LATENT_DIM, img_shape=IMG_SHAPE)
     discriminator = Discriminator(img_shape=IMG_SHAPE)
@@ -102,7 +102,7 @@ def hand_loop(max_steps: int, log_dir: str | Path, device: str | torch.device = 
     g_params, d_params = list(generator.parameters()), list(discriminator.parameters())
     opt_g = torch.optim.Adam(g_params, lr=LR, betas=BETAS)
     opt_d = torch.optim.Adam(d_params, lr=LR, betas=BETAS)
-    images = digits("train").tensors[0].to(device)
+    images = digits("train", pixel_range=(-1.0, 1.0)).tensors[0].to(device)  # as experiment=gan's data
     order_rng = torch.Generator().manual_seed(SEED)
     writer = SummaryWriter(log_dir=str(log_dir))
     step, epoch, last = 0, 0, (float("nan"), float("nan"))
@@ -110,25 +110,25 @@ def hand_loop(max_steps: int, log_dir: str | Path, device: str | torch.device = 
         generator.train(), discriminator.train()
         shuffled = images.index_select(0, torch.randperm(len(images), generator=order_rng).to(device))
         for i in range(0, len(shuffled), BATCH_SIZE):
-            imgs = shuffled[i: i + BATCH_SIZE] * 2.0 - 1.0  # as the task's training_step
+            imgs = shuffled[i: i + BATCH_SIZE]
             z = torch.randn(imgs.shape[0], LATENT_DIM).type_as(imgs)
 
             set_requires_grad(d_params, False)  # the generator's step
             valid = torch.ones(imgs.size(0), 1).type_as(imgs)
-            g_loss = F.binary_cross_entropy(discriminator(generator(z)), valid)
+            g_loss = F.binary_cross_entropy_with_logits(discriminator(generator(z)), valid)
+            opt_g.zero_grad()
             g_loss.backward()
             opt_g.step()
-            opt_g.zero_grad()
             set_requires_grad(d_params, True)
 
             set_requires_grad(g_params, False)  # the discriminator's step
-            real_loss = F.binary_cross_entropy(discriminator(imgs), valid)
+            real_loss = F.binary_cross_entropy_with_logits(discriminator(imgs), valid)
             fake = torch.zeros(imgs.size(0), 1).type_as(imgs)
-            fake_loss = F.binary_cross_entropy(discriminator(generator(z).detach()), fake)
+            fake_loss = F.binary_cross_entropy_with_logits(discriminator(generator(z).detach()), fake)
             d_loss = (real_loss + fake_loss) / 2
+            opt_d.zero_grad()
             d_loss.backward()
             opt_d.step()
-            opt_d.zero_grad()
             set_requires_grad(g_params, True)
 
             step += 1
@@ -138,12 +138,9 @@ def hand_loop(max_steps: int, log_dir: str | Path, device: str | torch.device = 
                 writer.add_scalar("d_loss", last[1], step)
             if step >= max_steps:
                 break
-        else:  # a whole epoch: the task's on_train_epoch_end
-            generator.eval()
-            with torch.no_grad():
-                sample_imgs = generator(validation_z)
-            generator.train()
-            writer.add_image("generated_images", torchvision.utils.make_grid((sample_imgs + 1) / 2, nrow=4), epoch)
+        else:  # a whole epoch: the task's on_train_epoch_end (Lightning's: in training mode, with autograd)
+            sample_imgs = generator(validation_z)
+            writer.add_image("generated_images", torchvision.utils.make_grid(sample_imgs), epoch)
             epoch += 1
     writer.close()
     return step, *last

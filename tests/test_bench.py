@@ -160,7 +160,7 @@ def test_gan_hand_loop_starts_from_the_framework_initial_weights_on_its_data(com
     assert [(type(o).__name__, g["lr"], g["betas"]) for o in trainer.run.optimizers for g in o.param_groups] == \
         [("Adam", gan.LR, gan.BETAS)] * 2
     assert trainer.run.data.num_batches("train") == 20  # 1,257 images in batches of 64, the last one short
-    assert torch.equal(trainer.run.data.datasets["train"].tensors[0], gan.digits("train").tensors[0])
+    assert torch.equal(trainer.run.data.datasets["train"].tensors[0], gan.digits("train", pixel_range=(-1.0, 1.0)).tensors[0])
 
 
 def test_gan_hand_loop_trains_both_nets_and_logs_at_the_cadence(tmp_path, monkeypatch):

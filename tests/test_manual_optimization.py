@@ -102,7 +102,9 @@ def test_a_gan_under_manual_optimization_trains_both_nets_and_resumes_bit_identi
     a, b = final_state(whole), final_state(killed)
     assert any(k.startswith("state:/optimizer/generator/") for k in a)
     assert any(k.startswith("state:/optimizer/discriminator/") for k in a)
-    assert any(k.startswith("state:/task_parameters/discriminator.") for k in a)
+    # the task built both nets, as Lightning's does: it is its own model, and the checkpoint's weights hold both
+    assert {k.split(".")[0] for k in a if not k.startswith("state:")} == {"generator", "discriminator"}
+    assert not any(k.startswith("state:/task_parameters") for k in a)
     assert_identical(a, b)
     series = [read_scalars(run) for run in (whole, killed)]
     for name in ("g_loss", "d_loss"):
@@ -208,6 +210,8 @@ NAMED = ("~optimizer", "+optimizer.net._target_=torch.optim.SGD", "+optimizer.ne
      "Error: trainer.accumulate_grad_batches=2: GAN optimizes manually"),
     (("experiment=gan", "trainer.grad_clip_norm=1.0"), "Error: trainer.grad_clip_norm=1.0: GAN optimizes manually"),
     (("experiment=gan", "stage=lr_find"), "Error: lr_find: the run has named optimizers (generator, discriminator)"),
+    (("experiment=gan", "parallel=ddp", "parallel.devices=1"),
+     "Error: parallel.strategy=ddp: GAN builds its nets itself (generator, discriminator), so it is its own model"),
 ])
 def test_what_the_loop_cannot_do_with_its_optimizers_is_one_line_before_the_first_step(tmp_path, overrides, expected):
     line = one_error_line(run_cli(tmp_path / "run", *overrides))
@@ -234,7 +238,23 @@ def test_the_gans_generator_exports_to_onnx_on_the_tasks_example_input_array(tmp
     assert export.main([str(run), "--format", "onnx"]) == 1  # the data's images are not the generator's input
     assert "Error: " in capsys.readouterr().err
     assert export.main([str(run), "--example-input-array", "--format", "onnx", "--out", str(tmp_path / "g")]) == 0
-    assert "on the task's example_input_array, a float32 tensor of shape [2, 32]" in capsys.readouterr().out
+    assert "on the model's example_input_array, a float32 tensor of shape [2, 32]" in capsys.readouterr().out
     session = onnxruntime.InferenceSession(str(tmp_path / "g" / "model.onnx"))
     images = session.run(None, {session.get_inputs()[0].name: torch.randn(5, 32).numpy()})[0]
     assert images.shape == (5, 1, 8, 8) and images.min() >= -1 and images.max() <= 1  # the generator's tanh
+
+
+def test_the_gan_predicts_digits_it_generates(tmp_path):
+    """`python run.py predict` of a GAN: its predict_step samples one digit per input row, in the tanh's range."""
+    import pyarrow.parquet as pq
+
+    run = tmp_path / "run"
+    assert run_cli(run, *GAN, "trainer.max_epochs=1").returncode == 0
+    proc = run_cli(tmp_path / "predict", "predict", f"ckpt={run}", "logger.progress_bar=false")
+    assert proc.returncode == 0, output(proc)
+    table = pq.read_table(tmp_path / "predict" / "predictions.parquet")
+    images = torch.tensor(table.column("image").to_pylist())
+    assert table.num_rows == 270 and images.shape == (270, 64)  # the test split's rows, an 8x8 digit each
+    assert images.min() >= -1 and images.max() <= 1 and images.std() > 0.05
+    assert "270 rows in" in proc.stdout and "rows 270" not in proc.stdout  # a count, not a metric
+

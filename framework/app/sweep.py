@@ -41,6 +41,7 @@ from framework.config.hints import check_closed_keys
 from framework.core import files, signals
 from framework.core.errors import ConfigError
 from framework.observe import trackers
+from framework.observe.summary import is_metric
 
 log = logging.getLogger(__name__)
 
@@ -55,24 +56,6 @@ KEY_CHOICES = {
     "parallel": "choice",
     "seed": "value",
 }
-# What a job's summary.json records beside its metrics (trainer.Trainer._summary, app._failed_job and the app's
-# other records): every other number in it is a metric, named as the trainer or the task logged it.
-RUN_FIELDS = frozenset(
-    {
-        "status",
-        "error",
-        "step",
-        "epoch",
-        "batch_in_epoch",
-        "epoch_batches",
-        "seconds",
-        "world_size",
-        "precision",
-        "best_checkpoint",
-        "stopped",
-        "framework_version",
-    }
-)
 # The order of the metric columns after the objective: by the part of the name before its first "/", then the rest.
 METRIC_GROUPS = ("val", "best", "test", "train")
 TABLE_GROUPS = ("val", "best", "test")  # the console table's; summary.csv has every metric
@@ -238,12 +221,7 @@ def _swept_columns(overrides: list[dict[str, str]], declared: Collection[str]) -
 def metric_columns(summaries: list[dict[str, Any]], objective: str) -> list[str]:
     """Every metric any job recorded: the objective first (a column even when no job has it), then by group
     (val/*, best/*, test/*, train/*, any other) and by name within one."""
-    names = {
-        k
-        for s in summaries
-        for k, v in s.items()
-        if k not in RUN_FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool)
-    }
+    names = {k for s in summaries for k, v in s.items() if is_metric(k, v)}
 
     def order(name: str) -> tuple[int, str]:
         group = name.split("/", 1)[0] if "/" in name else ""

@@ -140,6 +140,7 @@ class TaskParameters:
     every checkpoint and restored exactly (its model's are the checkpoint's weights)."""
 
     def __init__(self, task: torch.nn.Module, model_attr: str) -> None:
+        assert model_attr, "a task that is its own model has no parameter outside it"
         self.task, self.prefix = task, model_attr + "."
 
     def _own(self) -> dict[str, torch.nn.Parameter]:
@@ -164,10 +165,16 @@ class TaskState:
         self.task, self.model_attr, self.strategy = task, model_attr, strategy
 
     def _own(self, path: str) -> bool:
-        return bool(path) and path != self.model_attr and not path.startswith(self.model_attr + ".")
+        """Beside the model. A task that is its own model (`model_attr` ""): its metrics (their states are in no
+        state_dict), nothing else (its buffers are the model's)."""
+        return bool(path and self.model_attr) and path != self.model_attr and not path.startswith(self.model_attr + ".")
 
     def metrics(self) -> dict[str, torch.nn.Module]:
-        return {path: m for path, m in self.task.named_modules() if self._own(path) and is_stateful(m)}
+        return {
+            path: m
+            for path, m in self.task.named_modules()
+            if (self._own(path) or not self.model_attr and path) and is_stateful(m)
+        }
 
     def buffers(self) -> dict[str, torch.Tensor]:
         metrics = tuple(f"{path}." for path in self.metrics())

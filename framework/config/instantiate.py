@@ -16,7 +16,7 @@ import math
 import re
 import types
 import typing
-from typing import Any, Callable, Iterable, cast
+from typing import Any, Callable, Container, Iterable, cast
 
 import hydra.utils
 from hydra.errors import InstantiationException
@@ -233,6 +233,13 @@ def _plain_type(annotation: Any) -> type | None:
         others = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
         annotation = others[0] if len(others) == 1 else None
     return annotation if annotation in _ACCEPTS else None
+
+
+def without(node: DictConfig, keys: Container[str]) -> DictConfig:
+    """`node` but its `keys`, its interpolations resolved where it sits in the config: a copy detached from its root
+    (OmegaConf.masked_copy's) cannot resolve `${task.lr}`."""
+    resolved = cast(dict[str, Any], OmegaConf.to_container(node, resolve=True))
+    return OmegaConf.create({k: v for k, v in resolved.items() if k not in keys})
 
 
 def build(node: DictConfig, key: str, *, partial: bool = False, provided: Iterable[str] = ()) -> Any:

@@ -67,6 +67,7 @@ def build_components(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Comp
         write_fold_record(data.fold_split, run_dir)
     on_meta = meta_init.Builder(strategy) if strategy.sharded and cfg.parallel.get("meta_init", False) else None
     task, model_attr = build_task(cfg, on_meta)
+    refuse_own_model(task, model_attr, strategy)
     task_hooks.refuse_replaced(task)
     task_hooks.call_if_defined(task, "setup", cfg.get("stage", "fit"))  # before placing and wrapping, as Lightning
     accept_plain_keys(task)  # a submodule the task compiled itself (in setup, say) loads checkpoints' plain keys
@@ -117,6 +118,19 @@ def build_components(cfg: DictConfig, strategy: Strategy, run_dir: Path) -> Comp
         overfit,
         checkpoints,
         callbacks,
+    )
+
+
+def refuse_own_model(task: Task, model_attr: str, strategy: Strategy) -> None:
+    """A task that built several nets itself is its own model (`model_attr` ""): its steps call its nets, not a
+    wrapper's forward, so DDP, FSDP and DP (which work through the wrapped model's forward) cannot train it."""
+    if model_attr or strategy.name == "single":
+        return
+    nets = ", ".join(name for name, child in task.named_children() if any(True for _ in child.parameters()))
+    raise ConfigError(
+        f"parallel.strategy={strategy.name}: {type(task).__name__} builds its nets itself ({nets}), so it is its own "
+        "model, which this framework trains in one process only so far; expected parallel=single, or the model "
+        "given by the model group as the task's `model` (or `net`)"
     )
 
 
@@ -210,17 +224,23 @@ def place(cfg: DictConfig, task: Task, model_attr: str, strategy: Strategy, load
     return model
 
 
-def build_task(cfg: DictConfig, on_meta: Optional[meta_init.Builder] = None) -> tuple[Task, str]:
-    """The task, given the built `model` group as its constructor's `model` (or, in a port of a LightningModule,
-    `net`: lightning-hydra-template's name), and the name of the attribute that holds it. A task whose config
-    builds its model itself (`task.net: ${model}`, or a constructor that makes one) holds it in its one
-    submodule with parameters. `on_meta`: builds the model group with its parameters on the meta device."""
+def model_parameter(cfg: DictConfig) -> Optional[str]:
+    """The task constructor's parameter the built `model` group is given as (`model`, or `net`), or None: the task
+    builds its model (or its nets) itself."""
     target = locate(cfg.task.get("_target_"), "task")
     params = inspect.signature(target).parameters if inspect.isclass(target) else {}
     takes = set(params) | (
         {"model"} if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) else set()
     )  # (*args, **kwargs): passed on to Task's own `model`
-    given = next((name for name in ("model", "net") if name in takes and name not in cfg.task), None)
+    return next((name for name in ("model", "net") if name in takes and name not in cfg.task), None)
+
+
+def build_task(cfg: DictConfig, on_meta: Optional[meta_init.Builder] = None) -> tuple[Task, str]:
+    """The task, given the built `model` group as its constructor's `model` (or, in a port of a LightningModule,
+    `net`: lightning-hydra-template's name), and the name of the attribute that holds it. A task whose config
+    builds its model itself (`task.net: ${model}`, or a constructor that makes one) holds it in its one
+    submodule with parameters. `on_meta`: builds the model group with its parameters on the meta device."""
+    given = model_parameter(cfg)
     model: Optional[torch.nn.Module] = None
     if given is not None:
         model = on_meta.build(lambda: build(cfg.model, "model")) if on_meta else build(cfg.model, "model")
@@ -232,6 +252,8 @@ def build_task(cfg: DictConfig, on_meta: Optional[meta_init.Builder] = None) -> 
     holders = [name for name, child in task.named_children() if child is model] if model is not None else []
     if not holders:
         holders = [name for name, child in task.named_children() if any(True for _ in child.parameters())]
+        if len(holders) > 1:  # it built several nets itself (a GAN's two, as a LightningModule does): all its own
+            return task, ""
     if len(holders) != 1:
         found = (
             f"its submodules with parameters are {', '.join(holders)}"

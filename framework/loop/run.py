@@ -201,7 +201,7 @@ def assemble(
             lambda: strategy.unwrap(parts.model),
             progress,
             metric_logger.metrics,
-            info=_saved_with_state(cfg, strategy, data_check, choices),
+            info=_saved_with_state(cfg, strategy, data_check, choices, parts.model_attr),
         ),
         task_state=TaskState(parts.task, parts.model_attr, strategy),
         data_check=data_check,
@@ -284,11 +284,12 @@ def _agree_on_run(
 
 
 def _saved_with_state(
-    cfg: DictConfig, strategy: Strategy, data_check: DataCheck, choices: Optional[dict[str, Any]]
+    cfg: DictConfig, strategy: Strategy, data_check: DataCheck, choices: Optional[dict[str, Any]], model_attr: str
 ) -> dict[str, Any]:
     """What a checkpoint's meta.json holds beside the state: the config, its interpolations and the groups' options
-    (which a resume rebuilds the run from), the data's identity (which a resume compares), the number of processes
-    and the version that wrote it."""
+    (which a resume rebuilds the run from), the data's identity (which a resume compares), the number of processes,
+    the task's attribute its weights are of ("": the task itself, which built its nets) and the version that wrote
+    it."""
     return {
         "framework_version": framework.__version__,
         "world_size": strategy.world_size,
@@ -296,6 +297,7 @@ def _saved_with_state(
         "interpolations": interpolations(cfg),  # what a resume re-derives (framework/config/saved.py)
         "data_identity": data_check.record,
         "choices": {g: o for g, o in (choices or {}).items() if not g.startswith("hydra")},
+        "model_attr": model_attr,
     }
 
 

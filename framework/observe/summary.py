@@ -13,10 +13,36 @@ from typing import Any, Mapping
 SUMMARY_LOGGER = "framework.summary"
 
 
+# What a job's summary.json records beside its metrics (loop/summary.py's fit_summary, app/main.py's failed job and
+# the app's other records): every other number in it is a metric, named as the trainer or the task logged it.
+RUN_FIELDS = frozenset(
+    {
+        "status",
+        "error",
+        "step",
+        "epoch",
+        "batch_in_epoch",
+        "epoch_batches",
+        "seconds",
+        "world_size",
+        "precision",
+        "best_checkpoint",
+        "stopped",
+        "framework_version",
+    }
+)
+
+
+def is_metric(name: str, value: Any) -> bool:
+    """Is `name` in a summary a metric (a number the trainer or the task logged), not one of RUN_FIELDS?"""
+    return name not in RUN_FIELDS and isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def print_summary(summary: Mapping[str, Any], run_dir: Path, kept: bool = True) -> None:
     """The closing lines a user reads: final metrics, where the run is, how to look at it; or, for a run that
     keeps nothing (`kept=False`: a fast_dev_run, whose run directory the app removes), that nothing was kept."""
-    metrics = {k: v for k, v in summary.items() if "/" in k and isinstance(v, (int, float))}
+    # every metric, those the task logged under names of its own ("g_loss") too; not the counts said elsewhere
+    metrics = {k: v for k, v in summary.items() if is_metric(k, v) and k not in ("data_skipped", "rows")}
     shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if not math.isnan(v))
     how = f"({summary['precision']}, world size {summary['world_size']})"
     if summary.get("stage", "fit") != "fit":  # validate/test/predict of a saved run's weights

@@ -12,13 +12,13 @@ import fnmatch
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Protocol, Union, cast
+from typing import Any, Optional, Protocol, Union, cast
 
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
-from framework.config.instantiate import build, locate
+from framework.config.instantiate import build, locate, without
 from framework.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -186,8 +186,7 @@ def build_optimizer(
     in the groups of its `param_groups` rules, each named `group_prefix + <rule name>`. Returns the optimizer and
     the names of the frozen parameters it leaves out."""
     params = named_in(params) if isinstance(params, nn.Module) else params
-    keys = cast(Iterable[str], node)  # config keys are strings
-    options = OmegaConf.masked_copy(node, [k for k in keys if k != "param_groups"])
+    options = without(node, ("param_groups",))
     factory = build(options, key, partial=True, provided=("params",))
     signature = inspect.signature(locate(node._target_, key)).parameters
     rules = parse_rules(node.get("param_groups"), set(signature) - {"params", "self"}, key)

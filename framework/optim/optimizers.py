@@ -19,6 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from framework.config.instantiate import without
 from framework.core.errors import ConfigError
 from framework.optim.groups import Named, build_optimizer, named_in
 
@@ -83,18 +84,22 @@ def trainable(task: nn.Module) -> list[Named]:
     return [n for n in named_in(task) if n.param.requires_grad]
 
 
+def in_model(path: str, model_attr: str) -> bool:
+    """Is the task's parameter or submodule `path` its model's? Every one is where the task is its own model
+    (`model_attr` "": it built several nets itself, as a LightningModule does)."""
+    return not model_attr or path == model_attr or path.startswith(model_attr + ".")
+
+
 def outside_model(task: nn.Module, model_attr: str) -> list[str]:
     """The task's trainable parameters that are not its model's (a second net, a learnable temperature)."""
-    prefix = model_attr + "."
-    return [name for name, p in task.named_parameters() if p.requires_grad and not name.startswith(prefix)]
+    return [name for name, p in task.named_parameters() if p.requires_grad and not in_model(name, model_attr)]
 
 
 def build_optimizers(node: DictConfig, task: nn.Module, model_attr: str, model: nn.Module) -> Optimizers:
     """The `optimizer` group's optimizers over the task's parameters. One optimizer: the model's parameters by their
     names in the model (as `param_groups` rules name them), the task's others by their path in the task."""
     if node.get("_target_") is not None:
-        prefix = model_attr + "."
-        extra = [n for n in trainable(task) if not n.name.startswith(prefix)]
+        extra = [n for n in trainable(task) if not in_model(n.name, model_attr)]
         optimizer, off = build_optimizer(node, named_in(model) + extra, "optimizer")
         return Optimizers({"optimizer": optimizer}, single=True, frozen=off)
     names = [str(k) for k in cast(Iterable[Any], node)]
@@ -117,7 +122,7 @@ def build_optimizers(node: DictConfig, task: nn.Module, model_attr: str, model: 
                     "parameter owned by one optimizer"
                 )
             owner_of[param] = name
-        options = OmegaConf.masked_copy(sub, [k for k in cast(Iterable[str], sub) if k not in OWN_KEYS])
+        options = without(sub, OWN_KEYS)
         params = [everything[p] for p in owned if p in everything]
         optimizer, off = build_optimizer(options, params, f"optimizer.{name}", group_prefix=f"{name}/")
         named[name], frozen = optimizer, frozen + off

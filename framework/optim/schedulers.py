@@ -10,12 +10,12 @@ import logging
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, cast
+from typing import Any, Callable, Optional, cast
 
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig
 
-from framework.config.instantiate import build
+from framework.config.instantiate import build, without
 from framework.core.errors import ConfigError
 from framework.optim.groups import group_names
 
@@ -120,7 +120,7 @@ def build_scheduler(
     if not isinstance(frequency, int) or frequency < 1:
         raise ConfigError(f"scheduler.frequency={frequency!r}: expected an integer >= 1")
     factory = build(
-        OmegaConf.masked_copy(node, [k for k in cast(Iterable[str], node) if k not in SCHEDULER_KEYS]),
+        without(node, SCHEDULER_KEYS),
         "scheduler",
         partial=True,
         provided=("optimizer",),

@@ -47,6 +47,7 @@ from framework.config.trees import framework_conf_dir
 from framework.config.trust import check_saved_targets, conf_targets
 from framework.core import files
 from framework.core.errors import ConfigError, UserError
+from framework.loop.build import build_task
 from framework.stages import export_onnx
 from framework.stages.export_example import Example, batches_to_check, example_input
 
@@ -91,7 +92,7 @@ def saved_config(
         saved = from_checkpoint(checkpoint).config  # the one reader of a saved config (framework/config/saved.py)
     except ConfigError as err:
         raise UserError(str(err)) from None
-    if not isinstance(saved.get("model"), dict):
+    if not isinstance(saved.get("model"), dict) and checkpoint.meta.get("model_attr") != "":
         raise UserError(
             f"checkpoint {checkpoint.path}: its saved config has no model node; expected the config "
             "written by this framework"
@@ -106,7 +107,22 @@ def saved_config(
 
 def build_model(checkpoint: Checkpoint, trust: bool = False, conf_dir: Optional[Path] = None) -> torch.nn.Module:
     """The model as the stored config builds it (random weights), in eval mode."""
-    return build(saved_config(checkpoint, trust, conf_dir, ("model",)).model, "model").eval()
+    return model_of(checkpoint, saved_config(checkpoint, trust, conf_dir, model_nodes(checkpoint)))
+
+
+def model_nodes(checkpoint: Checkpoint) -> tuple[str, ...]:
+    """The saved config's nodes that build the checkpoint's model: the task's too where it is its own model."""
+    return ("model", "data", "task") if checkpoint.meta.get("model_attr") == "" else ("model", "data")
+
+
+def model_of(checkpoint: Checkpoint, cfg: DictConfig) -> torch.nn.Module:
+    """The checkpoint's model, built from its saved `cfg` (random weights), in eval mode: the model group's, or the
+    task itself where it built several nets (a GAN's generator and discriminator, its `forward` what is exported,
+    as Lightning's to_onnx exports a LightningModule's)."""
+    if checkpoint.meta.get("model_attr") != "":
+        return build(cfg.model, "model").eval()
+    task, _ = build_task(cfg)
+    return task.eval()
 
 
 def to_torchscript(model: torch.nn.Module, batch: torch.Tensor, mode: str) -> torch.jit.ScriptModule:
@@ -160,8 +176,8 @@ def export(
     """Write the weights and each of `formats` under `out`, reload them, check each against the checkpoint's
     model on real batches (raises UserError, one line, outside tolerance), and write what was found to
     export.json (the largest absolute difference of each format; with CUDA, TorchScript's on CUDA inputs too)."""
-    cfg = saved_config(checkpoint, trust, conf_dir)
-    model = build(cfg.model, "model").eval()
+    cfg = saved_config(checkpoint, trust, conf_dir, model_nodes(checkpoint))
+    model = model_of(checkpoint, cfg)
     weights, which = eval_weights(checkpoint, raw)
     check_compatible(model, weights, f"checkpoint {checkpoint.path}", strict=True)
     model.load_state_dict(weights)
@@ -175,7 +191,7 @@ def export(
     state = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in model.state_dict().items()}
     metadata = {"source": str(checkpoint.path), "step": str(checkpoint.step)}
     files.write_bytes(out / WEIGHTS_FILE, save(state, metadata=metadata))
-    fresh = build(cfg.model, "model").eval()
+    fresh = model_of(checkpoint, cfg)
     fresh.load_state_dict(load_file(str(out / WEIGHTS_FILE)))
     checked = compare(fresh, model, batches_to_check(model, example, dynamic=True)[0], torch.equal, WEIGHTS_FILE)
     if not checked.within:

@@ -395,11 +395,13 @@ def as_step_output(out: Any, where: str, *, training: bool) -> Optional[StepOutp
 def swapped(task: nn.Module, attr: str, value: Any) -> Iterator[None]:
     """`value` as `task.<attr>` for the block, the task's own put back afterwards: the one place a run changes what
     the task holds (its model as the loop runs it, wrapped by DDP or set for evaluation; the handle a check's logs go
-    to). Outside every such block the task holds what the user gave it."""
-    own = getattr(task, attr)
+    to). Outside every such block the task holds what the user gave it. `attr` "": the task is its own model (it
+    built several nets itself), which nothing replaces: `value` must be the task."""
+    own = getattr(task, attr) if attr else task
     if own is value:
         yield
         return
+    assert attr, "a task that is its own model runs unwrapped (framework/loop/build.py refuses the rest)"
     setattr(task, attr, value)
     try:
         yield
@@ -413,7 +415,7 @@ def throwaway_copy(task: Task, model: nn.Module, handle: Any) -> Task:
     no_grad in eval mode: neither changes), and `handle` for `task.trainer`. A task that cannot be copied
     (it holds a lock or an open file) is returned itself, with its `trainer` swapped for the handle by the
     caller."""
-    memo: dict[int, Any] = {id(model): model}
+    memo: dict[int, Any] = {id(model): model} if model is not task else {}  # (a task that is its own model)
     if task.trainer is not None:
         memo[id(task.trainer)] = handle
     for param in task.parameters():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 from pathlib import Path
-from typing import Callable, Optional, Sized, cast
+from typing import Callable, Optional, Sequence, Sized, cast
 
 import numpy as np
 import torch
@@ -34,11 +34,18 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     return table[:, :-1], table[:, -1].astype(np.int64)
 
 
-def digits(split: str, val_fraction: float = 0.15, test_fraction: float = 0.15, split_seed: int = 0) -> TensorDataset:
+def digits(
+    split: str,
+    val_fraction: float = 0.15,
+    test_fraction: float = 0.15,
+    split_seed: int = 0,
+    pixel_range: Sequence[float] = (0.0, 1.0),
+) -> TensorDataset:
     """The UCI handwritten digits (1,797 8x8 images, 10 classes) shipped with scikit-learn, as tensors.
 
     The split is a fixed permutation by `split_seed`, independent of the run's seed, so every run of every
-    seed validates on the same images. Pixels are scaled from 0..16 to 0..1.
+    seed validates on the same images. Pixels are scaled from 0..16 to `pixel_range` (0..1; a GAN's generator
+    draws in -1..1).
     """
     if split not in SPLITS:
         raise ConfigError(f"data.*.split={split!r}: expected one of {', '.join(SPLITS)}")
@@ -50,13 +57,22 @@ def digits(split: str, val_fraction: float = 0.15, test_fraction: float = 0.15, 
             f"data.train.val_fraction + test_fraction = {val_fraction + test_fraction}: expected "
             "less than 1, so that the training split keeps some images"
         )
+    low, high = _pixel_range(pixel_range)
     x, y = _digits_arrays()
     order = torch.randperm(len(x), generator=generator(split_seed))
     n_test, n_val = round(len(x) * test_fraction), round(len(x) * val_fraction)
     parts = {"test": order[:n_test], "val": order[n_test : n_test + n_val], "train": order[n_test + n_val :]}
     index = parts[split]
     images = torch.from_numpy(x)[index].reshape(-1, 1, 8, 8) / 16.0
+    if (low, high) != (0.0, 1.0):
+        images = images * (high - low) + low
     return TensorDataset(images, torch.from_numpy(y)[index])
+
+
+def _pixel_range(value: Sequence[float]) -> tuple[float, float]:
+    if len(value) != 2 or not all(isinstance(v, (int, float)) for v in value) or not value[0] < value[1]:
+        raise ConfigError(f"data.*.pixel_range={list(value)!r}: expected [low, high] with low < high, e.g. [-1, 1]")
+    return float(value[0]), float(value[1])
 
 
 def holdout(
