@@ -68,7 +68,7 @@ class ManualTwoNets(TwoNets):
             self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
             opt.step()
             self.untoggle_optimizer(opt)
-        for schedule in self.lr_schedulers():
+        for schedule in self.lr_schedulers() or []:
             schedule.step()
         return loss
 
@@ -257,4 +257,38 @@ def test_the_gan_predicts_digits_it_generates(tmp_path):
     assert table.num_rows == 270 and images.shape == (270, 64)  # the test split's rows, an 8x8 digit each
     assert images.min() >= -1 and images.max() <= 1 and images.std() > 0.05
     assert "270 rows in" in proc.stdout and "rows 270" not in proc.stdout  # a count, not a metric
+
+
+class HookedManual(ManualTwoNets):
+    """ManualTwoNets recording Lightning's hooks around its own backward and step calls."""
+
+    def __init__(self, model: nn.Module, **kwargs) -> None:
+        super().__init__(model, **kwargs)
+        self.calls: list[tuple] = []
+
+    def on_before_backward(self, loss):
+        self.calls.append(("before_backward", loss.requires_grad))
+
+    def on_after_backward(self):
+        self.calls.append(("after_backward", any(p.grad is not None for p in self.parameters())))
+
+    def on_before_optimizer_step(self, optimizer):
+        owner = "head" if any(p is self.head.weight for g in optimizer.param_groups for p in g["params"]) else "net"
+        self.calls.append(("before_optimizer_step", owner))
+
+    def on_before_zero_grad(self, optimizer):  # Lightning calls it in automatic optimization only
+        self.calls.append(("before_zero_grad",))
+
+
+@pytest.mark.unit
+def test_a_manual_step_calls_lightnings_backward_and_optimizer_step_hooks_around_its_own_calls(compose, tmp_path):
+    from framework.loop.trainer import Trainer
+
+    cfg = compose("task._target_=test_manual_optimization.HookedManual", "trainer.max_steps=2", "scheduler=none",
+                  "trainer.test=false", "trainer.limit_val_batches=1", *NAMED, "+optimizer.head.owns=[head]")
+    trainer = Trainer(cfg, tmp_path)
+    trainer.fit()
+    one_batch = [("before_backward", True), ("after_backward", True), ("before_optimizer_step", "net"),
+                 ("before_backward", True), ("after_backward", True), ("before_optimizer_step", "head")]
+    assert trainer.run.task.calls == one_batch * 2
 

@@ -6,12 +6,15 @@ which scales the loss under fp16's GradScaler) and steps its optimizers itself. 
 `self.optimizers()` steps through the precision (the GradScaler's `step` and `update` under fp16), and the loop
 counts one step per training batch, however many optimizers that batch stepped (Lightning counts each
 `optimizer.step()`); `trainer.max_steps`, the logging and checkpoint cadences count in batches. The task steps its
-schedulers itself (`self.lr_schedulers()`), as in Lightning.
+schedulers itself (`self.lr_schedulers()`), as in Lightning. Lightning's hooks come where its own manual
+optimization calls them: `on_before_backward` and `on_after_backward` around `manual_backward`, and
+`on_before_optimizer_step` in `step`, after the closure, on unscaled gradients.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+import functools
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -27,12 +30,20 @@ class StepsThroughPrecision:
     def __init__(self, optimizer: torch.optim.Optimizer, precision: Precision) -> None:
         self.optimizer, self._precision = optimizer, precision
         self._unscaled = False  # clip_gradients unscaled this step's gradients already
+        self._before_step: Optional[Callable[[torch.optim.Optimizer], None]] = None
+
+    def with_hook(self, before_step: Optional[Callable[[torch.optim.Optimizer], None]]) -> None:
+        """`on_before_optimizer_step` (its callbacks' and the task's), given the optimizer, before each step."""
+        self._before_step = before_step
 
     def step(self, closure: Any = None) -> None:
         if closure is not None:  # Lightning's closure: the step's forward and backward, run before it steps
             closure()
         # Nothing to clip here (clip_gradients clips), so the precision reads no parameters: none listed per step.
-        self._precision.step(self.optimizer, (), None, None, unscaled=self._unscaled)
+        # The hook runs on true gradients (unscaled under fp16), as Lightning's does.
+        hook = self._before_step
+        before = functools.partial(hook, self.optimizer) if hook is not None else None
+        self._precision.step(self.optimizer, (), None, None, before_step=before, unscaled=self._unscaled)
         self._unscaled = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -65,6 +76,19 @@ class TaskOptimizers:
         self._schedulers = list(optimizers.schedulers.values())
         # What toggle froze, by id (a tensor's __hash__ is a Python call), with its requires_grad to restore.
         self._toggled: dict[int, tuple[torch.nn.Parameter, bool]] = {}
+        self._before_backward: Optional[Callable[[torch.Tensor], None]] = None
+        self._after_backward: Optional[Callable[[], None]] = None
+
+    def with_hooks(
+        self,
+        before_backward: Optional[Callable[[torch.Tensor], None]],
+        after_backward: Optional[Callable[[], None]],
+        before_step: Optional[Callable[[torch.optim.Optimizer], None]],
+    ) -> None:
+        """Lightning's hooks around a manual step (each None where nothing implements it): the loop's, bound once."""
+        self._before_backward, self._after_backward = before_backward, after_backward
+        for wrapped in self._wrapped:
+            wrapped.with_hook(before_step)
 
     def optimizers(self) -> Union[StepsThroughPrecision, list[StepsThroughPrecision]]:
         """One optimizer, or the list of several in config order (Lightning's `self.optimizers()`)."""
@@ -79,8 +103,13 @@ class TaskOptimizers:
         return found[0] if len(found) == 1 else found
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        """`loss.backward()`, scaled under fp16 (Lightning's manual_backward)."""
+        """`loss.backward()`, scaled under fp16, between on_before_backward and on_after_backward (Lightning's
+        manual_backward)."""
+        if self._before_backward is not None:
+            self._before_backward(loss)
         self._precision.backward(loss, *args, **kwargs)
+        if self._after_backward is not None:
+            self._after_backward()
 
     def _find(self, optimizer: Any) -> StepsThroughPrecision:
         for wrapped in self._wrapped:

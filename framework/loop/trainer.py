@@ -53,6 +53,10 @@ class Trainer:
     ) -> None:
         self.run = run = assemble(cfg, run_dir, resume_from, hparams, choices)
         self.hooks = Hooks(run.callbacks, run.view, run.task, run.metric_logger)
+        if not run.task.automatic_optimization:  # the hooks a manual step's own calls reach (loop/manual.py)
+            run.view.task_optimizers.with_hooks(
+                *map(self.hooks.bound, ("on_before_backward", "on_after_backward", "on_before_optimizer_step"))
+            )
         self.optimizer_step = OptimizerStep(run, self.hooks)
         self.profiler: Any = None  # built when fit starts (the clock or the trace runs from there)
         self.validation: Any = None
