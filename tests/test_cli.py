@@ -35,7 +35,7 @@ def assert_in(line: str, *fragments: str) -> None:
 
 @pytest.mark.parametrize("override, fragments", [
     ("model=cnnn", ["model=cnnn: no such option in group 'model'", "did you mean 'cnn'?",
-                    "expected one of: cnn, mlp, resnet18"]),
+                    "expected one of: autoencoder, cnn, mlp, resnet18"]),
     ("modle=mlp", ["modle=mlp: no config group or key 'modle'", "did you mean 'model'?", "expected one of:"]),
     ("optimizer.lrr=1", ["optimizer.lrr=1: optimizer has no key 'lrr'", "did you mean 'optimizer.lr'?",
                          "+optimizer.lrr=1"]),

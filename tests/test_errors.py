@@ -48,7 +48,7 @@ def test_wrong_type_names_key_value_and_expected_type(tmp_path: Path) -> None:
 
 def test_unknown_group_option_lists_the_available_ones(tmp_path: Path) -> None:
     text = fail(tmp_path, "model=nosuchmodel")
-    assert_in(text, "model=nosuchmodel: no such option in group 'model'", "expected one of: cnn, mlp, resnet18")
+    assert_in(text, "model=nosuchmodel: no such option in group 'model'", "expected one of: autoencoder, cnn, mlp, resnet18")
 
 
 # ---------------------------------------------------------------- reported by framework.app.main
