@@ -38,13 +38,18 @@ def _key(arg: str) -> str:
     return arg.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
 
 
+def _unquoted(value: str) -> str:
+    """A value as Hydra reads it where the command line quotes it whole (`'s3://b/train-{0..3}.tar'`)."""
+    return value[1:-1] if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"" else value
+
+
 def argv_with_local_copies(argv: list[str]) -> list[str]:
     """`argv` with each `resume=`, `ckpt=` and `init_from=` URL replaced by its local copy, downloaded now (see the
     module's docstring); ConfigError naming the key, the URL and the cause where that cannot be done."""
     from framework.core.stores import check_url
 
     args = argv[1:]
-    overrides = {_key(a): a.split("=", 1)[1] for a in args if "=" in a and not a.startswith("-")}
+    overrides = {_key(a): _unquoted(a.split("=", 1)[1]) for a in args if "=" in a and not a.startswith("-")}
     for key, value in overrides.items():
         if is_url(value) and "@" in value.partition("://")[2].partition("/")[0]:
             check_url(key, value)  # refuses it, naming the key, the credentials left out
