@@ -371,6 +371,62 @@ def make_image_folder(root: Path, classes: dict[str, tuple[str, ...]], per_class
                 (image.convert("L") if i == 0 else image).save(folder / f"{i}.png")
 
 
+# ---------------------------------------------------------------------------------------------- an S3 server
+# A real S3 server on localhost for the tests of object storage (checkpoint.remote, shards at s3:// URLs): moto's
+# server mode, as s3fs's own test suite runs it. A module using these skips itself where moto[server] or s3fs is
+# missing (pip install -e '.[s3,dev]').
+BUCKET = "htf-bucket"
+KEY_ID, SECRET = "AKIATESTKEYID0000001", "test-secret-Zq8vR3kP9wXy"
+
+
+class Moto:
+    """moto's threaded server on 127.0.0.1, on a port of its own that it keeps when stopped and started again (its
+    buckets and objects live in this process, so they outlive a stop)."""
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        host, self.port = self.server.get_host_and_port()
+        self.endpoint = f"http://{host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def start(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+
+
+@pytest.fixture(scope="module")
+def moto() -> Any:
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request
+    server = Moto()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(moto, monkeypatch, tmp_path) -> Any:
+    """An empty bucket, credentials and the endpoint in the environment (as a user sets them), and s3fs to read with."""
+    import requests
+    import s3fs
+
+    requests.post(f"{moto.endpoint}/moto-api/reset", timeout=10)
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1",
+                        "AWS_ENDPOINT_URL": moto.endpoint, "AWS_EC2_METADATA_DISABLED": "true",
+                        "XDG_CACHE_HOME": str(tmp_path / "cache")}.items():
+        monkeypatch.setenv(name, value)
+    fs = s3fs.S3FileSystem(endpoint_url=moto.endpoint, skip_instance_cache=True, use_listings_cache=False)
+    fs.mkdir(BUCKET)
+    return fs
+
+
 # ---------------------------------------------------------------------------------------------- tiers
 TIERS = ("unit", "e2e")
 MARKERS = {

@@ -1,7 +1,7 @@
-"""Checkpoints on object storage (`checkpoint.remote=URL`, `resume=URL`, `ckpt=URL`, `init_from=URL`), against a real
-S3 server on localhost: moto's server mode, started and stopped here as s3fs's own test suite does, and read back with
-s3fs itself. A run uploads each kept checkpoint (verified, then published by its manifest) and its records; the
-remote mirrors the local keep decisions; every mistake is one line before training; a store that fails mid-run is
+"""Checkpoints on object storage (`checkpoint.remote=URL`, `resume=URL`, `ckpt=URL`, `init_from=URL`), against a real S3
+server on localhost (conftest's `moto` and `s3` fixtures: moto's server mode, as s3fs's own tests run it), and read
+back with s3fs itself. A run uploads each kept checkpoint (verified, then published by its manifest) and its records;
+the remote mirrors the local keep decisions; every mistake is one line before training; a store that fails mid-run is
 one warning; and a run SIGKILLed after a checkpoint, its local directory deleted, resumes from the remote
 bit-identical to a run never interrupted."""
 from __future__ import annotations
@@ -17,7 +17,11 @@ from typing import Any
 
 import pytest
 from conftest import (
+    BUCKET,
+    KEY_ID,
     KILLHOOK,
+    SECRET,
+    Moto,
     assert_identical,
     final_state,
     on_pythonpath,
@@ -27,9 +31,9 @@ from conftest import (
 )
 
 try:
+    import moto.server  # noqa: F401  (conftest's S3 server)
     import requests
-    import s3fs
-    from moto.server import ThreadedMotoServer
+    import s3fs  # noqa: F401  (the runs' store)
 except ImportError:
     pytest.skip("moto[server] and s3fs are not installed (pip install -e '.[s3,dev]')", allow_module_level=True)
 
@@ -37,50 +41,7 @@ from framework.callbacks.base import Callback
 
 pytestmark = pytest.mark.e2e
 
-BUCKET = "htf-bucket"
-KEY_ID, SECRET = "AKIATESTKEYID0000001", "test-secret-Zq8vR3kP9wXy"
 COMMON = ("logger.progress_bar=false", "trainer.log_every_n_steps=10", "model.dropout=0.2")
-
-
-class Moto:
-    """moto's threaded server on 127.0.0.1, on a port of its own that it keeps when stopped and started again (its
-    buckets and objects live in this process, so they outlive a stop)."""
-
-    def __init__(self) -> None:
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self.server.start()
-        host, self.port = self.server.get_host_and_port()
-        self.endpoint = f"http://{host}:{self.port}"
-
-    def stop(self) -> None:
-        self.server.stop()
-
-    def start(self) -> None:
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self.server.start()
-
-
-@pytest.fixture(scope="module")
-def moto() -> Any:
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request
-    server = Moto()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def s3(moto, monkeypatch, tmp_path) -> Any:
-    """An empty bucket, credentials and the endpoint in the environment (as a user sets them), and s3fs to read with."""
-    requests.post(f"{moto.endpoint}/moto-api/reset", timeout=10)
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in {"AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1",
-                        "AWS_ENDPOINT_URL": moto.endpoint, "AWS_EC2_METADATA_DISABLED": "true",
-                        "XDG_CACHE_HOME": str(tmp_path / "cache")}.items():
-        monkeypatch.setenv(name, value)
-    fs = s3fs.S3FileSystem(endpoint_url=moto.endpoint, skip_instance_cache=True, use_listings_cache=False)
-    fs.mkdir(BUCKET)
-    return fs
 
 
 def manifests(fs: Any, prefix: str) -> dict[str, dict]:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from framework.core.errors import ConfigError
+from framework.core.stores import is_url
 
 log = logging.getLogger(__name__)
 
@@ -33,22 +34,22 @@ ENDPOINT_OPTION = "checkpoint.remote_options.endpoint_url"
 NONE_INTACT = "no intact checkpoint there (each is named above, with what is wrong with it)"
 
 
-def is_url(value: Any) -> bool:
-    """A URL (`scheme://...`), not a local path (as framework.checkpoint.remote.is_url, without importing torch)."""
-    return isinstance(value, str) and "://" in value
-
-
 def _key(arg: str) -> str:
     return arg.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+
+
+def _unquoted(value: str) -> str:
+    """A value as Hydra reads it where the command line quotes it whole (`'s3://b/train-{0..3}.tar'`)."""
+    return value[1:-1] if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"" else value
 
 
 def argv_with_local_copies(argv: list[str]) -> list[str]:
     """`argv` with each `resume=`, `ckpt=` and `init_from=` URL replaced by its local copy, downloaded now (see the
     module's docstring); ConfigError naming the key, the URL and the cause where that cannot be done."""
-    from framework.checkpoint.remote import check_url
+    from framework.core.stores import check_url
 
     args = argv[1:]
-    overrides = {_key(a): a.split("=", 1)[1] for a in args if "=" in a and not a.startswith("-")}
+    overrides = {_key(a): _unquoted(a.split("=", 1)[1]) for a in args if "=" in a and not a.startswith("-")}
     for key, value in overrides.items():
         if is_url(value) and "@" in value.partition("://")[2].partition("/")[0]:
             check_url(key, value)  # refuses it, naming the key, the credentials left out
@@ -68,8 +69,8 @@ def argv_with_local_copies(argv: list[str]) -> list[str]:
 
 def _local_copy(key: str, url: str, run_dir: Optional[str], options: dict[str, Any]) -> str:
     from framework.checkpoint.download import fetch_cached, fetch_run
-    from framework.checkpoint.remote import cause, is_store_error, open_store
     from framework.checkpoint.upload import CHECKPOINTS, manifests
+    from framework.core.stores import cause, is_store_error, open_store
 
     root, _, name = url.rstrip("/").rpartition(f"/{CHECKPOINTS}/")
     root, name = (root, name) if root and name and "/" not in name and key != "resume" else (url, "")

@@ -401,8 +401,8 @@ def _upload_records(cfg: DictConfig, run_dir: Path) -> None:
     """checkpoint.remote: the run's records as it ended (its summary is written after its last checkpoint's upload)."""
     if not cfg.checkpoint.get("remote") or cfg.trainer.fast_dev_run:
         return
-    from framework.checkpoint.remote import cause, is_store_error, open_store
     from framework.checkpoint.upload import upload_records
+    from framework.core.stores import cause, is_store_error, open_store
 
     options = OmegaConf.to_container(cfg.checkpoint.remote_options, resolve=True)
     try:

@@ -17,10 +17,10 @@ from typing import Any, Optional
 
 from framework.checkpoint.format import META_FILE, DamagedCheckpoint
 from framework.checkpoint.load import MAX_META_BYTES, data_files, open_checkpoint
-from framework.checkpoint.remote import Store
 from framework.checkpoint.save import link_checkpoint
 from framework.checkpoint.upload import CHECKPOINTS, CHUNK, DATA, RECORD_FOLDERS, RECORD_NAMES, RECORD_PREFIXES
 from framework.core import files
+from framework.core.stores import Store
 
 log = logging.getLogger(__name__)
 

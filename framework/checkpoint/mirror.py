@@ -16,8 +16,8 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from framework.checkpoint.remote import Store, cause
 from framework.checkpoint.upload import collect_garbage, manifests, publish, unpublish, upload_records
+from framework.core.stores import Store, cause
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ import xxhash
 
 from framework.checkpoint.format import META_FILE
 from framework.checkpoint.load import MAX_META_BYTES, data_files
-from framework.checkpoint.remote import Store
 from framework.core import files
+from framework.core.stores import Store
 
 log = logging.getLogger(__name__)
 

@@ -348,8 +348,9 @@ class DataModule:
                 self._loaders[split] = (sampler, self._data_loader(split, sampler))
 
     def identity(self) -> dict[str, dict[str, Any]]:
-        """Each split's number of samples and, for a stream read from files (`paths`), each file with its samples and
-        bytes: what a resume compares with the run's (`check_data`). Nothing is read but the files' sizes."""
+        """Each split's number of samples and, for a stream read from files (`paths`), each file (its path or URL) with
+        its samples and bytes: what a resume compares with the run's (`check_data`). Nothing is read but the files'
+        sizes."""
         found: dict[str, dict[str, Any]] = {}
         for split, stream in self.streams.items():
             found[split] = {"samples": stream.samples, **_shard_files(stream.dataset, stream.sizes)}
@@ -383,11 +384,14 @@ def _check_dataset(split: str, dataset: Any) -> None:
 
 
 def _shard_files(dataset: Any, sizes: list[int]) -> dict[str, Any]:
-    """`{"shards": [[file, samples, bytes], ...]}` for a stream read from files (`paths`, one per shard), else {}."""
+    """`{"shards": [[file, samples, bytes], ...]}` for a stream read from files (`paths`, one per shard: local paths,
+    or URLs, whose bytes its `shard_bytes()` gives), else {}."""
     paths = getattr(dataset, "paths", None)
     if not isinstance(paths, (list, tuple)) or len(paths) != len(sizes):
         return {}
-    return {"shards": [[str(path), size, os.stat(path).st_size] for path, size in zip(paths, sizes)]}
+    known = getattr(dataset, "shard_bytes", None)
+    nbytes = known() if callable(known) else [os.stat(path).st_size for path in paths]
+    return {"shards": [[str(path), size, n] for path, size, n in zip(paths, sizes, nbytes)]}
 
 
 # ---------------------------------------------------------------------------------------------- the data's identity

@@ -3,7 +3,8 @@
 A sample is the group of consecutive files in a shard that share a key (the file name up to its first dot):
 an image (`KEY.png` or `KEY.jpg`) or an array (`KEY.npy`, any shape, as it was saved) and its label (`KEY.cls`,
 a decimal class number). Shards are named by a
-brace pattern, `DIR/train-{000000..000009}.tar`.
+brace pattern, `DIR/train-{000000..000009}.tar`, or a URL of one, `s3://BUCKET/train-{000000..000009}.tar`, read
+through fsspec (framework/data/shard_files.py).
 
 Why our own reader rather than the `webdataset` package: the planned order of `framework.data.streaming` needs random
 access by sample position (to read one worker's batches, to resume at any batch, to redistribute an epoch over
@@ -17,18 +18,18 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import tarfile
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
 from framework.core.errors import ConfigError
-from framework.data.streaming import Bad, expand_braces
+from framework.core.stores import cause, is_store_error, is_url
+from framework.data.shard_files import EXPECTED_READABLE, ShardFiles
+from framework.data.streaming import Bad
 
 log = logging.getLogger(__name__)
 
@@ -42,26 +43,6 @@ class Sample:
     image: tuple[int, int]  # (offset, size) of the input's bytes in the shard
     label: tuple[int, int]
     array: bool  # the input is a .npy array, not an image
-
-
-def shard_paths(pattern: Union[str, Sequence[str]], key: str) -> list[Path]:
-    """The files of a brace pattern (or a list of them); every one must exist."""
-    names = [n for p in ([pattern] if isinstance(pattern, str) else pattern) for n in expand_braces(str(p))]
-    paths = [Path(n) for n in names]
-    missing = [p for p in paths if not p.is_file()]
-    if paths and len(missing) == len(paths):
-        raise ConfigError(
-            f"{key}={pattern!r}: matches no file ({len(paths)} names, e.g. {paths[0]}); expected WebDataset tar "
-            "shards, e.g. 'DIR/train-{000000..000009}.tar' (quoted on the command line)"
-        )
-    if not paths:
-        raise ConfigError(f"{key}={pattern!r}: names no shard; expected a brace pattern of tar files")
-    if missing:
-        raise ConfigError(
-            f"{key}: shard {missing[0]} does not exist ({len(missing)} of the {len(paths)} shards of {pattern!r} "
-            "are missing); expected every shard the pattern names"
-        )
-    return paths
 
 
 class TarShards(IterableDataset):
@@ -78,7 +59,8 @@ class TarShards(IterableDataset):
         transform: Optional[Callable[[torch.Tensor], Any]] = None,
     ) -> None:
         self.key, self.skip_corrupt, self.transform = key, skip_corrupt, transform
-        self.paths = shard_paths(shards, key)
+        self.files = ShardFiles(shards, key)
+        self.paths = self.files.names
         self.samples: list[Sample] = []
         self.sizes: list[int] = []
         self.bad = 0  # samples skipped while indexing (skip_corrupt)
@@ -86,12 +68,10 @@ class TarShards(IterableDataset):
             found = self._index(number, path)
             self.samples.extend(found)
             self.sizes.append(len(found))
-        self._files: dict[int, BinaryIO] = {}
-        self._pid = -1
 
-    def _index(self, number: int, path: Path) -> list[Sample]:
+    def _index(self, number: int, path: str) -> list[Sample]:
         groups: dict[str, dict[str, tuple[int, int]]] = {}
-        for base, ext, offset, size in _members(path, self.key):
+        for base, ext, offset, size in _members(self.files, number, self.key):
             groups.setdefault(base, {})[ext] = (offset, size)
         found = []
         for base, files in groups.items():
@@ -119,28 +99,25 @@ class TarShards(IterableDataset):
     def shard_sizes(self) -> list[int]:
         return list(self.sizes)
 
+    def shard_bytes(self) -> list[int]:
+        """Each shard file's size, as found when the dataset was made (the data's identity)."""
+        return list(self.files.sizes)
+
     def __len__(self) -> int:
         return len(self.samples)
-
-    def _bytes(self, shard: int, where: tuple[int, int]) -> bytes:
-        if self._pid != os.getpid():  # a worker process: its own file handles, never its parent's
-            self._files, self._pid = {}, os.getpid()
-        f = self._files.get(shard)
-        if f is None:
-            f = self._files[shard] = open(self.paths[shard], "rb")  # noqa: SIM115 (kept open while reading)
-        f.seek(where[0])
-        return f.read(where[1])
 
     def decode(self, position: int) -> Any:
         """The sample at a storage position, or a `Bad` if it cannot be decoded and skip_corrupt is on."""
         from PIL import Image
 
         s = self.samples[position]
+        # the input first: a remote shard's read of it brings the label after it along (shard_files.READ_BLOCK)
+        data = self.files.read(s.shard, *s.image)
         try:
-            label = int(self._bytes(s.shard, s.label).decode().strip())
+            label = int(self.files.read(s.shard, *s.label).decode().strip())
             if s.array:
-                return torch.from_numpy(np.load(io.BytesIO(self._bytes(s.shard, s.image)))), label
-            with Image.open(io.BytesIO(self._bytes(s.shard, s.image))) as img:
+                return torch.from_numpy(np.load(io.BytesIO(data))), label
+            with Image.open(io.BytesIO(data)) as img:
                 array = np.asarray(img)
         except (ValueError, OSError) as err:
             return self._bad(
@@ -162,9 +139,6 @@ class TarShards(IterableDataset):
             if not isinstance(sample, Bad):
                 yield sample
 
-    def __getstate__(self) -> dict[str, Any]:  # open files stay in the process that opened them
-        return {**self.__dict__, "_files": {}, "_pid": -1}
-
 
 class TokenShards(IterableDataset):
     """A token stream from WebDataset tar shards: each `KEY.bin` member is a run of bytes (byte-level tokens), cut
@@ -173,61 +147,57 @@ class TokenShards(IterableDataset):
 
     def __init__(self, shards: Union[str, Sequence[str]], *, block_size: int, key: str = "shards") -> None:
         self.block_size, self.key = block_size, key
-        self.paths = shard_paths(shards, key)
+        self.files = ShardFiles(shards, key)
+        self.paths = self.files.names
         self.windows: list[tuple[int, int]] = []  # (shard, byte offset) of each window
         self.sizes: list[int] = []
-        for number, path in enumerate(self.paths):
-            runs = [(o, n) for _, ext, o, n in _members(path, key) if ext == "bin"]
+        for number in range(len(self.paths)):
+            runs = [(o, n) for _, ext, o, n in _members(self.files, number, key) if ext == "bin"]
             found = [(number, o + w * block_size) for o, n in runs for w in range(max(0, (n - 1) // block_size))]
             self.windows.extend(found)
             self.sizes.append(len(found))
-        self._files: dict[int, BinaryIO] = {}
-        self._pid = -1
 
     def shard_sizes(self) -> list[int]:
         return list(self.sizes)
+
+    def shard_bytes(self) -> list[int]:
+        """Each shard file's size, as found when the dataset was made (the data's identity)."""
+        return list(self.files.sizes)
 
     def __len__(self) -> int:
         return len(self.windows)
 
     def read(self, positions: Sequence[int]) -> Iterator[torch.Tensor]:
-        if self._pid != os.getpid():  # a worker process: its own file handles, never its parent's
-            self._files, self._pid = {}, os.getpid()
         for position in positions:
             shard, offset = self.windows[position]
-            f = self._files.get(shard)
-            if f is None:
-                f = self._files[shard] = open(self.paths[shard], "rb")  # noqa: SIM115 (kept open while reading)
-            f.seek(offset)
-            yield torch.frombuffer(bytearray(f.read(self.block_size + 1)), dtype=torch.uint8)
+            yield torch.frombuffer(bytearray(self.files.read(shard, offset, self.block_size + 1)), dtype=torch.uint8)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return self.read(range(len(self.windows)))
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_files": {}, "_pid": -1}
 
-
-def _members(path: Path, key: str) -> list[tuple[str, str, int, int]]:
-    """(sample key, extension, data offset, size) of each file in a shard, in order, checked whole (a cut or
+def _members(files: ShardFiles, number: int, key: str) -> list[tuple[str, str, int, int]]:
+    """(sample key, extension, data offset, size) of each file in shard `number`, in order, checked whole (a cut or
     garbled tar is an error naming the last sample key read)."""
-    size, found, last = path.stat().st_size, [], "(none)"
+    path, size, found, last = files.names[number], files.sizes[number], [], "(none)"
     try:
-        with tarfile.open(path, "r:") as tar:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                if member.offset_data + member.size > size:
-                    raise tarfile.ReadError(f"{member.name} ends past the end of the file")
-                base, _, ext = member.name.partition(".")
-                found.append((base, ext.lower(), member.offset_data, member.size))
-                last = base
-            end = tar.offset  # tarfile stops quietly at a cut or garbled header: the end must be zero blocks
-        with open(path, "rb") as f:
+        with files.open(number) as f:
+            with tarfile.open(fileobj=f, mode="r:") as tar:
+                for member in tar:
+                    if not member.isfile():
+                        continue
+                    if member.offset_data + member.size > size:
+                        raise tarfile.ReadError(f"{member.name} ends past the end of the file")
+                    base, _, ext = member.name.partition(".")
+                    found.append((base, ext.lower(), member.offset_data, member.size))
+                    last = base
+                end = tar.offset  # tarfile stops quietly at a cut or garbled header: the end must be zero blocks
             f.seek(end)
             if f.read(512) != bytes(512):
                 raise tarfile.ReadError(f"no end-of-archive block at byte {end}")
     except (tarfile.TarError, OSError, EOFError) as err:
+        if is_url(path) and is_store_error(err) and not isinstance(err, tarfile.TarError):
+            raise ConfigError(f"{key}: reading shard {path} failed: {cause(err)}; {EXPECTED_READABLE}") from None
         raise ConfigError(
             f"{key}: shard {path} is truncated or not a tar file ({err}; last sample key read: {last}); "
             "expected a complete WebDataset tar"

@@ -18,11 +18,11 @@ from framework.callbacks.base import Callback, CallbackList
 from framework.callbacks.timer import Timer
 from framework.checkpoint import CheckpointManager, check_compatible, load_weights
 from framework.checkpoint.mirror import RemoteMirror
-from framework.checkpoint.remote import open_store
 from framework.checkpoint.weights import accept_plain_keys
 from framework.config.instantiate import build, locate
 from framework.core import startup
 from framework.core.errors import ConfigError
+from framework.core.stores import open_store
 from framework.data.folds import write_record as write_fold_record
 from framework.data.module import DataModule
 from framework.optim.optimizers import Optimizers, build_named_schedulers, build_optimizers, outside_model
