@@ -140,4 +140,18 @@ def open_store(key: str, url: str, options: Optional[Mapping[str, Any]] = None) 
     scheme = check_url(key, url)
     check_options(f"{key}_options", options)
     fs, root = fsspec.core.url_to_fs(url, **storage_options(scheme, options))
+    if getattr(fs, "async_impl", False):
+        _quiet_event_loop()
     return Store(url.rstrip("/"), fs, str(root).rstrip("/"))
+
+
+def _quiet_event_loop() -> None:
+    """What fsspec's event loop (an async store's: s3fs's aiohttp) reports of a connection a failing store closed
+    goes to run.log, not the console: its failure is already one warning (asyncio's default handler prints a
+    traceback through the `asyncio` logger, which other code's messages share)."""
+    from fsspec.asyn import get_loop
+
+    def handler(loop: Any, context: dict[str, Any]) -> None:
+        log.debug("the store's event loop: %s", context.get("message"), exc_info=context.get("exception"))
+
+    get_loop().set_exception_handler(handler)
