@@ -27,9 +27,10 @@ run: bytecode
 TEST_ENV := PYTHONDONTWRITEBYTECODE=
 
 # worksteal: a worker that runs out of tests takes queued ones from the other, so the suite's long tests (a submitit
-# sweep that mostly waits for its time limit) do not leave one core idle at the end.
+# sweep that mostly waits for its time limit) do not leave one core idle at the end. --durations: the slowest tests,
+# where the suite's time goes (issue 43's 12 minutes).
 test: check docs
-	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist worksteal
+	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist worksteal --durations=60
 
 # Lint, format and types of the library (configured in pyproject.toml): part of `make test`, seconds.
 check: $(STAMP)
