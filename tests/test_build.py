@@ -90,11 +90,9 @@ def test_a_task_that_builds_its_own_model_holds_it_in_its_one_submodule_with_par
     assert Built.count == 0  # the model group is left unbuilt
 
 
-def test_two_submodules_with_parameters_and_no_model_given_is_one_config_error_naming_both():
-    with pytest.raises(ConfigError) as err:
-        build_task(config({"_target_": f"{__name__}.TwoModels"}))
-    assert str(err.value).startswith(f"task._target_='{__name__}.TwoModels': cannot tell which attribute holds the "
-                                     "model (its submodules with parameters are encoder, decoder); expected")
+def test_a_task_that_builds_two_nets_itself_is_its_own_model_as_a_lightning_module_is():
+    task, model_attr = build_task(config({"_target_": f"{__name__}.TwoModels"}))
+    assert model_attr == "" and task.get_submodule(model_attr) is task
 
 
 def test_a_task_target_that_is_not_a_task_is_one_config_error():
