@@ -190,6 +190,15 @@ def test_a_non_finite_loss_stops_the_run_naming_the_optimizer_step_and_epoch_it_
     assert "train/loss" not in written(logger, tmp_path)  # nothing of that window was written
 
 
+def test_a_non_finite_loss_between_logging_steps_is_caught_before_a_checkpoint(tmp_path):
+    logger, _ = make(tmp_path, accumulate=1, steps_per_epoch=5)
+    logger.window.first_step = 0
+    for loss in (1.0, math.inf, 1.0):  # no logging step yet: a checkpoint at step 3 asks
+        step(logger, loss)
+    with pytest.raises(UserError, match=r"^train/loss became inf at step 2 \(epoch 0\)"):
+        logger.check_finite()
+
+
 def test_the_windows_mean_is_train_loss_at_logging_steps_and_its_epoch_mean_train_loss_epoch(tmp_path):
     logger, task = make(tmp_path)
     for at, losses in ((2, (1.0, 3.0)), (4, (5.0, 7.0))):

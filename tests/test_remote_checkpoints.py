@@ -105,6 +105,32 @@ def test_ckpt_and_init_from_read_the_remote_downloading_one_checkpoint(s3, tmp_p
     assert steps == [10, 20]  # init_from=: the newest
 
 
+def test_a_remote_holding_a_run_is_never_written_over_nor_resumed_into_another_runs_directory(s3, tmp_path):
+    """A second new run on a used prefix would publish over the first run's checkpoints and withdraw the rest; a
+    resume=URL into a directory that holds another run, or this run behind the remote, would train from the wrong
+    checkpoint and withdraw the remote's newer ones. Each is one line, and the remote keeps what it had."""
+    url = f"s3://{BUCKET}/runs/held"
+    first = run_cli(tmp_path / "first", *COMMON, "trainer.max_steps=20", "checkpoint.every_n_steps=10", "checkpoint.keep_last=-1",
+                    f"checkpoint.remote={url}", fast=False)
+    assert first.returncode == 0, output(first)
+    before = manifests(s3, "runs/held")
+    line = one_error_line(run_cli(tmp_path / "second", *COMMON, "trainer.max_steps=5", f"checkpoint.remote={url}"))
+    assert line.startswith(f"Error: checkpoint.remote={url!r}: holds another run's checkpoints (best, last, "
+                           f"step-10, step-20; the newest at step 20)"), line
+    other = run_cli(tmp_path / "other", *COMMON, "trainer.max_steps=5")
+    assert other.returncode == 0, output(other)
+    line = one_error_line(run_cli(None, f"resume={url}", f"hydra.run.dir={tmp_path / 'other'}"))
+    assert line.startswith(f"Error: resume={url!r}: hydra.run.dir='{tmp_path / 'other'}' holds another run"), line
+    stale = tmp_path / "stale"
+    shutil.copytree(tmp_path / "first", stale)
+    for name in ("last", "best", "step-20"):  # this run as it was at step 10
+        shutil.rmtree(stale / "checkpoints" / name, ignore_errors=True)
+    line = one_error_line(run_cli(None, f"resume={url}", f"hydra.run.dir={stale}"))
+    assert line.startswith(f"Error: resume={url!r}: hydra.run.dir='{stale}' holds this run at step 10, the remote "
+                           "at step 20"), line
+    assert manifests(s3, "runs/held") == before
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("overrides, expected", [
     (["checkpoint.remote=htf-bucket/runs/x"], "checkpoint.remote='htf-bucket/runs/x': not a URL"),

@@ -17,6 +17,7 @@ from AWS_ENDPOINT_URL, or from `checkpoint.remote_options.endpoint_url=` on the 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -76,10 +77,11 @@ def _local_copy(key: str, url: str, run_dir: Optional[str], options: dict[str, A
     root, name = (root, name) if root and name and "/" not in name and key != "resume" else (url, "")
     store = open_store(key, root, options)
     try:
-        if key == "resume" and run_dir and _holds_run(Path(run_dir)):
-            log.info("resume=%s: %s holds the run already; continuing it there", url, run_dir)
-            return run_dir
         published = manifests(store)
+        if key == "resume" and run_dir and _holds_run(Path(run_dir)):
+            _check_local_copy(url, Path(run_dir), published)
+            log.info("resume=%s: %s holds the run already, as new as the remote; continuing it there", url, run_dir)
+            return run_dir
         if name:
             published = {name: published[name]} if name in published else {}
         if not published:
@@ -116,6 +118,32 @@ def _nothing_there(store: Any, name: str) -> str:
         f"no published checkpoint under {store.url}/{CHECKPOINTS}; "
         "expected the checkpoint.remote of a run that saved one"
     )
+
+
+def _check_local_copy(url: str, run_dir: Path, published: dict[str, dict[str, Any]]) -> None:
+    """`run_dir`, which holds a run, may be continued for resume=`url` only where it is that run (its saved
+    checkpoint.remote is `url`) and at least as far on as the remote: a stale or another run's directory would
+    train from the wrong checkpoint, and its uploads withdraw the remote's newer ones."""
+    from omegaconf import OmegaConf
+
+    saved = run_dir / ".hydra" / "config.yaml"
+    remote = OmegaConf.select(OmegaConf.load(saved), "checkpoint.remote") if saved.is_file() else None
+    if str(remote or "").rstrip("/") != url.rstrip("/"):
+        raise ConfigError(
+            f"resume={url!r}: hydra.run.dir={str(run_dir)!r} holds another run (its checkpoint.remote is "
+            f"{remote!r}); expected a new hydra.run.dir for the copy, or resume={run_dir} for that run"
+        )
+    steps = []
+    for meta in (run_dir / "checkpoints").glob("*/meta.json"):
+        with contextlib.suppress(OSError, ValueError):
+            steps.append(int(json.loads(meta.read_text()).get("step", -1)))
+    local, newest = max(steps, default=-1), max((int(m.get("step", -1)) for m in published.values()), default=-1)
+    if local < newest:
+        raise ConfigError(
+            f"resume={url!r}: hydra.run.dir={str(run_dir)!r} holds this run at step {local}, the remote at step "
+            f"{newest}; expected a new hydra.run.dir for the remote's copy, or resume={run_dir} to go on from step "
+            f"{local}"
+        )
 
 
 def _holds_run(path: Path) -> bool:

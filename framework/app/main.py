@@ -453,10 +453,12 @@ def _settled(
     check_paths(cfg)
     check_tasks_as_ranks(cfg.parallel)
     if cfg.get("stage", "fit") == "fit" and cfg.checkpoint.get("remote") and not cfg.trainer.fast_dev_run:
-        from framework.checkpoint.remote import checked_store  # torch: imported once the config is known good
+        from framework.checkpoint.remote import checked_store, refuse_another_run  # torch: config known good now
 
         options = OmegaConf.to_container(cfg.checkpoint.remote_options, resolve=True)
-        checked_store("checkpoint.remote", str(cfg.checkpoint.remote), cast(dict, options))  # a probe write tells
+        store = checked_store("checkpoint.remote", str(cfg.checkpoint.remote), cast(dict, options))  # a probe write
+        if saved is None:  # a new run: the remote is its own
+            refuse_another_run("checkpoint.remote", store)
     if cfg.get("init_from"):
         cfg.init_from = resume.find_weights(str(cfg.init_from))
     return cfg, choices

@@ -41,3 +41,18 @@ def checked_store(key: str, url: str, options: Optional[Mapping[str, Any]] = Non
     store = open_store(key, url, options)
     probe(key, store)
     return store
+
+
+def refuse_another_run(key: str, store: Store) -> None:
+    """A new run's remote must hold no run's checkpoints: the new run's would be published over them, and the keep
+    policies would withdraw the rest (`resume=URL` continues the run that is there)."""
+    from framework.checkpoint.upload import manifests
+
+    published = manifests(store)
+    if published:
+        newest = max(int(m.get("step", -1)) for m in published.values())
+        raise ConfigError(
+            f"{key}={store.url!r}: holds another run's checkpoints ({', '.join(sorted(published))}; the newest at "
+            f"step {newest}), which this new run's would replace; expected a prefix of its own, or "
+            f"resume={store.url} to continue that run"
+        )

@@ -169,6 +169,7 @@ class Trainer:
         run = self.run
         with self.profiler.phase("checkpoint"):
             if run.checkpoints.will_save(periodic=periodic, metrics=metrics):
+                run.metric_logger.check_finite()  # a loss gone NaN since the last logging step saves nothing
                 run.metric_logger.commit()
             run.checkpoints.save(run.state, run.progress.step, periodic=periodic, metrics=metrics)
 

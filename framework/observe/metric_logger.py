@@ -270,6 +270,16 @@ class MetricLogger:
         )
         return losses, stacked, list(logged)
 
+    def check_finite(self) -> None:
+        """Raise, as a logging step would, where a loss since the last logging step is not finite: called before a
+        checkpoint is written (one host sync, at a save), so that no checkpoint ever holds the weights a NaN or inf
+        loss stepped, nor replaces, through the keep policies, one written before it."""
+        losses = self.window.tensor()
+        if len(losses):
+            finite = torch.isfinite(losses)
+            if not bool(finite.all()):
+                self._not_finite(losses, finite)
+
     def _not_finite(self, losses: torch.Tensor, finite: torch.Tensor) -> None:
         first = int((~finite).nonzero()[0])
         bad_step = self.window.first_step + first // self.accumulate + 1
