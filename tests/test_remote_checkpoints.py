@@ -145,6 +145,9 @@ def test_a_remote_holding_a_run_is_never_written_over_nor_resumed_into_another_r
      "checkpoint.remote='s3://htf-bucket/x': cannot write there: the endpoint cannot be reached"),
     (["checkpoint.remote=s3://htf-bucket/x", "NO_CREDENTIALS"],
      "checkpoint.remote='s3://htf-bucket/x': cannot write there: no credentials found"),
+    (["checkpoint.remote=memory://htf/x"], "checkpoint.remote='memory://htf/x': memory:// is gone when the process"),
+    (["checkpoint.remote=s3://htf-bucket"], "checkpoint.remote='s3://htf-bucket': a bucket's root; expected a prefix"),
+    (["checkpoint.remote=s3://htf-bucket/a/../b"], "checkpoint.remote='s3://htf-bucket/a/../b': a path with . or .."),
     (["resume=s3://htf-bucket/nothing"], "resume='s3://htf-bucket/nothing': no published checkpoint under"),
     (["test", "ckpt=s3://no-such-bucket/run"], "ckpt='s3://no-such-bucket/run': no such bucket 'no-such-bucket'"),
     (["init_from=s3://htf-bucket/x/checkpoints/best"], "init_from='s3://htf-bucket/x/checkpoints/best': no published"),
@@ -272,3 +275,19 @@ def test_a_run_killed_with_its_local_directory_gone_resumes_from_the_remote_bit_
     for key in [k for k in summaries[0] if k.startswith(("val/", "test/", "train/", "best/"))]:
         assert summaries[0][key] == summaries[1][key], key
     assert manifests(s3, "runs/killed")["last"]["step"] == 50  # and it went on uploading to the same remote
+
+
+def test_a_file_url_remote_makes_its_folders_and_a_run_resumes_from_it(tmp_path):
+    """file:// is fsspec's local file system, which makes no parent folder unless told to (every upload failed)."""
+    url = f"file://{tmp_path / 'remote' / 'exp'}"
+    proc = run_cli(tmp_path / "run", *COMMON, "trainer.max_steps=20", "checkpoint.every_n_steps=10",
+                   f"checkpoint.remote={url}", fast=False)
+    assert proc.returncode == 0, output(proc)
+    assert "upload failed" not in output(proc) and "not uploaded" not in output(proc), output(proc)
+    published = sorted(p.name for p in (tmp_path / "remote" / "exp" / "checkpoints").glob("*.json"))
+    assert published == ["best.json", "last.json", "step-20.json"], published
+    shutil.rmtree(tmp_path / "run")
+    resumed = run_cli(tmp_path / "again", f"resume={url}", "trainer.max_steps=25")
+    assert resumed.returncode == 0, output(resumed)
+    assert json.loads((tmp_path / "again" / "summary.json").read_text())["step"] == 25
+

@@ -38,7 +38,8 @@ def probe(key: str, store: Store) -> None:
 
 def checked_store(key: str, url: str, options: Optional[Mapping[str, Any]] = None) -> Store:
     """The store at `url`, checked and probed (see open_store, probe): what a run that writes there starts with."""
-    store = open_store(key, url, options)
+    store = open_store(key, url, options)  # (a URL fsspec knows, not yet contacted)
+    check_writable_url(key, url)
     probe(key, store)
     return store
 
@@ -55,4 +56,20 @@ def refuse_another_run(key: str, store: Store) -> None:
             f"{key}={store.url!r}: holds another run's checkpoints ({', '.join(sorted(published))}; the newest at "
             f"step {newest}), which this new run's would replace; expected a prefix of its own, or "
             f"resume={store.url} to continue that run"
+        )
+
+
+def check_writable_url(key: str, url: str) -> None:
+    """A URL a run may keep its copy at: a store that outlives the process (not memory://), a prefix of its own
+    under a bucket (not the bucket's root, where withdrawing its checkpoints would list everything), no `..`
+    (object stores keep it as a literal name)."""
+    scheme, _, rest = url.partition("://")
+    parts = [p for p in rest.split("/") if p]
+    if scheme == "memory":
+        raise ConfigError(f"{key}={url!r}: memory:// is gone when the process ends; expected a store that outlives it")
+    if ".." in parts or "." in parts:
+        raise ConfigError(f"{key}={url!r}: a path with . or ..; expected SCHEME://BUCKET/PREFIX without them")
+    if scheme not in ("file", "local") and len(parts) < 2:
+        raise ConfigError(
+            f"{key}={url!r}: a bucket's root; expected a prefix of the run's own under it, e.g. {url.rstrip('/')}/exp1"
         )

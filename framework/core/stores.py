@@ -96,6 +96,8 @@ def check_options(prefix: str, options: Optional[Mapping[str, Any]]) -> None:
 def storage_options(scheme: str, options: Optional[Mapping[str, Any]]) -> dict[str, Any]:
     """fsspec's keyword arguments for `scheme`: the user's `options` over the framework's bounded timeouts (s3)."""
     given = {name: value for name, value in (options or {}).items() if value is not None}
+    if scheme in ("file", "local"):  # object stores have no folders to make; a local file system must make them
+        return {"auto_mkdir": True, **given}
     if scheme not in ("s3", "s3a"):
         return given
     config = {**S3_CONFIG, **dict(given.pop("config_kwargs", None) or {})}

@@ -310,8 +310,8 @@ def _expected(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
         raise UserError(
             f"{type(model).__name__} did not run on the example batch, {_described(batch)} "
             f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}); "
-            "export expects a model taking one tensor: the inputs of the run's batches, or one like its "
-            "example_input_array attribute"
+            "export expects a model taking one tensor: the inputs of the run's batches, or, with "
+            "--example-input-array, one like its example_input_array attribute (a generator's noise, say)"
         ) from None
     if not isinstance(expected, torch.Tensor):
         raise UserError(
