@@ -215,6 +215,16 @@ class TrainLog:
         self.losses.clear()
         self.first_step, self.counted = step, 0
 
+    def first_not_finite(self, accumulate: int) -> Optional[tuple[float, int]]:
+        """The window's first loss that is not finite, and the optimizer step it came in; None if all are (one
+        host sync: asked at a logging step that found one, and before each checkpoint)."""
+        losses = self.tensor()
+        finite = torch.isfinite(losses)
+        if bool(finite.all()):
+            return None
+        first = int((~finite).nonzero()[0])
+        return losses[first].item(), self.first_step + first // accumulate + 1
+
     def tensor(self) -> torch.Tensor:
         if not self.losses:
             return torch.zeros(0, device=self.device)

@@ -242,7 +242,7 @@ class MetricLogger:
         losses, stacked, names = self.step_values()
         mean, all_finite, *values = stacked.tolist()
         if not all_finite:
-            self._not_finite(losses, torch.isfinite(losses))
+            self.check_finite()
         own = {} if "train/loss" in self._task_train_names or not len(losses) else {"train/loss": mean}
         metrics = {**own, **extras}
         metrics.update({k: v for k, v in self._logged.items() if not isinstance(v, torch.Tensor)})
@@ -271,24 +271,16 @@ class MetricLogger:
         return losses, stacked, list(logged)
 
     def check_finite(self) -> None:
-        """Raise, as a logging step would, where a loss since the last logging step is not finite: called before a
-        checkpoint is written (one host sync, at a save), so that no checkpoint ever holds the weights a NaN or inf
-        loss stepped, nor replaces, through the keep policies, one written before it."""
-        losses = self.window.tensor()
-        if len(losses):
-            finite = torch.isfinite(losses)
-            if not bool(finite.all()):
-                self._not_finite(losses, finite)
-
-    def _not_finite(self, losses: torch.Tensor, finite: torch.Tensor) -> None:
-        first = int((~finite).nonzero()[0])
-        bad_step = self.window.first_step + first // self.accumulate + 1
-        epoch = (bad_step - 1) // self.steps_per_epoch
-        raise UserError(
-            f"train/loss became {losses[first].item()} at step {bad_step} (epoch {epoch}); "
-            f"training stopped, and what was already written in {self.run_dir} is kept. "
-            "Expected a finite loss: try a lower optimizer.lr or set trainer.grad_clip_norm"
-        )
+        """Stop, as a logging step does, where a loss since the last logging step is not finite: asked before a
+        checkpoint is written, so that none holds what a NaN or inf loss stepped, nor replaces one written before."""
+        bad = self.window.first_not_finite(self.accumulate)
+        if bad is not None:
+            value, step = bad
+            raise UserError(
+                f"train/loss became {value} at step {step} (epoch {(step - 1) // self.steps_per_epoch}); "
+                f"training stopped, and what was already written in {self.run_dir} is kept. "
+                "Expected a finite loss: try a lower optimizer.lr or set trainer.grad_clip_norm"
+            )
 
     def end_epoch(self, task: nn.Module, step: int, extras: dict[str, float]) -> dict[str, float]:
         """The epoch's values of train/loss (as train/loss_epoch) and of what the task logged `on_epoch` (one host
