@@ -99,6 +99,23 @@ class _StreamHandler(logging.StreamHandler):
         self.setFormatter(logging.Formatter("%(message)s"))
 
 
+def run_export(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m framework export ARGS` from the checkout, as a finished process: in this process through the
+    command's own entry point (framework.stages.export.main), its console captured, unless the test sets
+    environment variables for it (a process of its own then)."""
+    if env is not None:
+        return run_process([sys.executable, "-m", "framework", "export", *args], env=env, timeout=120)
+    from framework.stages.export import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), contextlib.chdir(ROOT):
+        try:
+            code = main(list(args))
+        except SystemExit as exit:  # argparse's usage errors
+            code = exit.code if isinstance(exit.code, int) else 1
+    return subprocess.CompletedProcess(["framework", "export", *args], code, out.getvalue(), err.getvalue())
+
+
 def run_process(args: list[str], *, cwd: Path = ROOT, env: dict[str, str] | None = None,
                 timeout: float = 180) -> subprocess.CompletedProcess:
     """`subprocess.run(args, capture_output=True, text=True)` in run_env() updated with `env`: a real process, for

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import output, read_scalars, run_cli, run_process
+from conftest import output, read_scalars, run_cli, run_export
 from safetensors.torch import load_file
 
 from framework.callbacks.base import Callback, CallbackList
@@ -183,7 +182,7 @@ def test_ema_weights_are_in_the_pickle_free_checkpoint_and_export_uses_them(tmp_
     averaged = {k.split("/weights/", 1)[1]: v for k, v in state.items() if k.startswith("/callbacks/ema/weights/")}
     raw = load_file(str(run / "checkpoints" / "last" / "model.safetensors"))
     assert set(averaged) == set(raw) and any(not torch.equal(averaged[k], raw[k]) for k in raw)
-    exported = run_process([sys.executable, "-m", "framework", "export", str(run), "--which", "last"], timeout=120)
+    exported = run_export(str(run), "--which", "last")
     assert exported.returncode == 0, exported.stdout + exported.stderr
     assert "EMA" in exported.stdout + exported.stderr
     weights = load_file(str(run / "export" / "model.safetensors"))

@@ -14,7 +14,7 @@ import numpy as np
 import onnxruntime
 import pytest
 import torch
-from conftest import ROOT, TESTS, make_mnist, on_pythonpath, output, run_cli, run_process
+from conftest import ROOT, TESTS, make_mnist, on_pythonpath, output, run_cli, run_export
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
@@ -78,7 +78,7 @@ def rebuilt(run_dir: Path, weights: Path) -> torch.nn.Module:
 
 
 def export_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return run_process([sys.executable, "-m", "framework", "export", *args], env=env, timeout=120)
+    return run_export(*args, env=env)
 
 
 def test_export_writes_torchscript_that_computes_what_the_exported_weights_do(run_dir):

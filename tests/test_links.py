@@ -12,12 +12,11 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-from conftest import ROOT, one_error_line, output, run_cli, run_process
+from conftest import one_error_line, output, run_cli, run_export
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -171,7 +170,7 @@ def test_lr_find_writes_through_no_link_planted_in_its_directory(tmp_path):
 
 
 def export(*args: str) -> subprocess.CompletedProcess:
-    return run_process([sys.executable, "-m", "framework", "export", *args], cwd=ROOT)
+    return run_export(*args)
 
 
 @pytest.mark.parametrize("which", ["best", "last"])

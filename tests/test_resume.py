@@ -24,6 +24,7 @@ from conftest import (
     output,
     read_scalars,
     run_cli,
+    run_export,
     run_process,
     saved_config,
 )
@@ -233,10 +234,10 @@ def test_a_saved_config_naming_a_target_outside_the_users_code_is_refused_before
     line = one_error_line(run_cli(None, f"resume={run_dir}", fast=False))
     assert f"task.metrics.evil._target_={node['_target_']!r}" in line and "trust_saved_config=true" in line
     assert victim.read_text() == "precious"
-    export = run_process([sys.executable, "-m", "framework", "export", str(run_dir)], timeout=120)
+    export = run_export(str(run_dir))
     assert export.returncode == 0  # export builds only the model, whose targets are the project's own
     poison(run_dir, lambda config: config["model"].update(_target_=node["_target_"]))
-    export = run_process([sys.executable, "-m", "framework", "export", str(run_dir)], timeout=120)
+    export = run_export(str(run_dir))
     assert export.returncode == 1 and "model._target_" in export.stderr and "Traceback" not in export.stderr
     assert victim.read_text() == "precious"
 
