@@ -159,6 +159,29 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
     return errors[0]
 
 
+@contextlib.contextmanager
+def signal_after_step(at_step: int, signum: int) -> Iterator[None]:
+    """This process sends itself `signum` right after its `at_step`-th optimizer step (torch's global optimizer-step
+    post hook), as tests/killhook/ does in a process of its own: for a run in this process whose stop on a signal
+    it catches (checkpoint.on_signal) is under test. An uncaught signal would end pytest's process: such a run stays
+    in a process of its own."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    steps = 0
+
+    def after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        nonlocal steps
+        steps += 1
+        if steps == at_step:
+            os.kill(os.getpid(), signum)
+
+    handle = register_optimizer_step_post_hook(after_optimizer_step)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 TESTS = Path(__file__).resolve().parent
 KILLHOOK = TESTS / "killhook"  # its sitecustomize.py sends $KILL_SIGNAL after optimizer step $KILL_AT_STEP
 

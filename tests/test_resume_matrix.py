@@ -41,6 +41,7 @@ from conftest import (
     on_pythonpath,
     output,
     run_cli,
+    signal_after_step,
 )
 from omegaconf import DictConfig, OmegaConf
 
@@ -151,9 +152,14 @@ def interrupted_and_resumed(run_dir: Path, overrides: tuple[str, ...], kill_at: 
                             kill_signal: str) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
     """Run, interrupted by `kill_signal` after optimizer step `kill_at`; then resume with `resume=RUN_DIR`
     alone, which continues in `run_dir` itself. Returns both processes."""
-    pythonpath = on_pythonpath(KILLHOOK)
-    killed = run_cli(run_dir, *overrides, fast=False,
-                     env={**ENV, "PYTHONPATH": pythonpath, "KILL_AT_STEP": str(kill_at), "KILL_SIGNAL": kill_signal})
+    cfg = composed(overrides[0])
+    if kill_signal == "SIGTERM" and cfg.checkpoint.on_signal and not spawns(overrides):  # caught: in this process
+        with signal_after_step(kill_at, signal.SIGTERM):
+            killed = run_cli(run_dir, *overrides, fast=False)
+    else:
+        pythonpath = on_pythonpath(KILLHOOK)
+        killed = run_cli(run_dir, *overrides, fast=False, env={**ENV, "PYTHONPATH": pythonpath,
+                                                               "KILL_AT_STEP": str(kill_at), "KILL_SIGNAL": kill_signal})
     assert not (run_dir / "summary.json").exists(), f"not interrupted before its end:\n{output(killed)}"
     resumed = run_cli(None, f"resume={run_dir}", fast=False, process=spawns(overrides))
     assert resumed.returncode == 0, output(resumed)
