@@ -291,3 +291,45 @@ def test_self_loggers_and_trainer_datamodule_are_lightnings(compose, tmp_path):
     assert task.seen == [[TensorBoardLogger, CsvTracker]]
     assert len(callback.seen) == 1 and callback.seen[0] is trainer.run.data and isinstance(callback.seen[0], DataModule)
     assert ClassificationTask(torch.nn.Linear(2, 2)).loggers == []  # outside a run
+
+
+class LossGoesNaN(ClassificationTask):
+    """ClassificationTask whose loss is NaN from its training step number `nan_at` on: a run that diverges."""
+
+    nan_at = 6
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def training_step(self, batch: Any) -> Any:
+        self.calls += 1
+        out = super().training_step(batch)
+        return out.loss * float("nan") if self.calls >= self.nan_at else out.loss
+
+
+@pytest.mark.parametrize("saved", [True, False], ids=["after-a-checkpoint", "before-any-checkpoint"])
+def test_a_loss_gone_nan_mid_run_is_a_failed_run_whose_line_names_the_command_that_goes_on(tmp_path, saved):
+    """A user's mistake found once the run had trained (not a hook's exception, not a crash) fails the run as a
+    crash does: its directory and checkpoints kept, summary.json `failed` with the error, and the line naming the
+    command that continues it once fixed (docs/checkpoints.md, "After a run failed")."""
+    run_dir = tmp_path / "run"
+    every = "checkpoint.every_n_steps=3" if saved else "checkpoint.every_n_steps=100"
+    proc = run_cli(run_dir, "task._target_=test_hook_errors.LossGoesNaN", "trainer.max_steps=20", every,
+                   "trainer.log_every_n_steps=100", fast=False)
+    line = one_error_line(proc)
+    assert line.startswith("Error: train/loss became nan at step 6 (epoch 0); training stopped"), line
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith("train/loss became nan at step 6"), summary
+    assert "once it is fixed" not in summary["error"]
+    if saved:
+        assert line.endswith(f"once it is fixed, resume={run_dir} continues the run from its newest checkpoint"), line
+        saved_steps = {ckpt.name: json.loads((ckpt / "meta.json").read_text())["step"]
+                       for ckpt in (run_dir / "checkpoints").iterdir()}
+        assert saved_steps == {"last": 3, "step-3": 3}, saved_steps  # nothing saved after the loss went NaN
+        resumed = run_cli(None, f"resume={run_dir}", "task._target_=framework.task.classification.ClassificationTask",
+                          "trainer.max_steps=8", fast=False)
+        assert resumed.returncode == 0 and "Resumed from" in output(resumed), output(resumed)
+    else:
+        assert line.endswith("once it is fixed, the same command starts the run again"), line
+        assert not list(run_dir.glob("checkpoints/*"))

@@ -38,6 +38,7 @@ from framework.core.errors import (
     ConfigError,
     HookError,
     Interrupted,
+    TrainingFailed,
     UserError,
     error_line,
     full_error,
@@ -155,6 +156,9 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     except HookError as err:  # the user's code raised in a hook: the run failed, its record is kept
         _record_failure(err, start)
         raise HookError(f"{err}; {_after_failure()}") from err.__cause__
+    except TrainingFailed as err:  # a mistake found once it had trained: the run failed, its record is kept
+        _record_failure(err, start)
+        raise TrainingFailed(f"{err}; {_continue_after_fix()}") from err.__cause__
     except (UserError, OSError) as err:
         if isinstance(err, OSError):
             file_only("".join(traceback.format_exception(err)).rstrip())
@@ -169,7 +173,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
 def _record_failure(err: BaseException, start: float) -> None:
     """A run that failed once started: its traceback in run.log (a spawned worker wrote its own there), summary.json
     with `status: failed` and the error, as a sweep's failed job has (rank 0)."""
-    if err.__cause__ is not None or not isinstance(err, HookError):
+    if not isinstance(err, TrainingFailed) and (err.__cause__ is not None or not isinstance(err, HookError)):
         file_only("".join(traceback.format_exception(err)).rstrip())
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if os.environ.get("RANK", "0") != "0" or not run_dir.is_dir():
@@ -184,10 +188,15 @@ def _record_failure(err: BaseException, start: float) -> None:
 def _after_failure() -> str:
     """What to do after a hook failed: where its traceback is, and the command that goes on once it is fixed."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    where = f"its traceback is in {run_dir / 'run.log'}"
+    return f"its traceback is in {run_dir / 'run.log'}; {_continue_after_fix()}"
+
+
+def _continue_after_fix() -> str:
+    """The command that goes on with a run that failed once it had started, when what failed is fixed."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     if not resume.never_saved(run_dir):
-        return f"{where}; once it is fixed, resume={run_dir} continues the run from its newest checkpoint"
-    return f"{where}; once it is fixed, the same command starts the run again"
+        return f"once it is fixed, resume={run_dir} continues the run from its newest checkpoint"
+    return "once it is fixed, the same command starts the run again"
 
 
 def objective(cfg: DictConfig, summary: dict[str, Any]) -> Optional[float]:

@@ -21,6 +21,12 @@ class ConfigError(UserError):
     """A config value is wrong: the message names the key, the value and what was expected."""
 
 
+class TrainingFailed(UserError):
+    """A user's mistake found once this attempt had trained (a loss gone NaN, data files gone mid-epoch): the run
+    failed, and is recorded so (summary.json `failed`); its line says which command goes on once it is fixed. The
+    mistake is kept as `__cause__`."""
+
+
 class HookError(UserError):
     """A hook of the user's code (a callback's, or one of the task's Lightning hooks) raised: the message names
     `Class.hook` and the exception, which is kept as `__cause__` (its traceback goes to run.log, not the console)."""

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from framework.callbacks import task_hooks
 from framework.checkpoint import Checkpoint, CheckpointSaveError
 from framework.config.instantiate import error_line
-from framework.core.errors import Interrupted, UserError
+from framework.core.errors import HookError, Interrupted, TrainingFailed, UserError
 from framework.core.files import write_json
 from framework.core.signals import SignalWatch, watched
 from framework.loop.evaluate import move_to
@@ -99,6 +99,8 @@ class Trainer:
             except BaseException as err:
                 finished = isinstance(err, Interrupted)  # a signal stop is agreed by every rank: still in step
                 self._on_exception(err)
+                if self._failed_in_training(err):
+                    raise TrainingFailed(str(err)) from err
                 raise
             finally:
                 run.bar.close()
@@ -109,6 +111,11 @@ class Trainer:
                 write_json(run.run_dir / "summary.json", summary)
                 print_summary(summary, run.run_dir, kept=not run.limits.fast_dev_run)
         return summary
+
+    def _failed_in_training(self, err: BaseException) -> bool:
+        """A user's mistake (not a hook's exception, not a signal) after this attempt took a step: a failed run."""
+        mistake = isinstance(err, UserError) and not isinstance(err, (HookError, Interrupted, TrainingFailed))
+        return mistake and self.run.progress.step > self._started_at[1]
 
     def _start_hooks(self) -> None:
         self.hooks.quiet("on_fit_start")
