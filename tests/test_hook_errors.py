@@ -308,19 +308,24 @@ class LossGoesNaN(ClassificationTask):
         return out.loss * float("nan") if self.calls >= self.nan_at else out.loss
 
 
-@pytest.mark.parametrize("saved", [True, False], ids=["after-a-checkpoint", "before-any-checkpoint"])
-def test_a_loss_gone_nan_mid_run_is_a_failed_run_whose_line_names_the_command_that_goes_on(tmp_path, saved):
+@pytest.mark.parametrize(("saved", "ddp"), [(True, False), (False, False),
+                                           pytest.param(True, True, marks=pytest.mark.slow)],
+                         ids=["after-a-checkpoint", "before-any-checkpoint", "ddp-after-a-checkpoint"])
+def test_a_loss_gone_nan_mid_run_is_a_failed_run_whose_line_names_the_command_that_goes_on(tmp_path, saved, ddp):
     """A user's mistake found once the run had trained (not a hook's exception, not a crash) fails the run as a
     crash does: its directory and checkpoints kept, summary.json `failed` with the error, and the line naming the
-    command that continues it once fixed (docs/checkpoints.md, "After a run failed")."""
+    command that continues it once fixed (docs/checkpoints.md, "After a run failed"); under spawned DDP too, where
+    the parent raises again what a worker reports."""
     run_dir = tmp_path / "run"
     every = "checkpoint.every_n_steps=3" if saved else "checkpoint.every_n_steps=100"
+    parallel = ("parallel=ddp", "parallel.devices=2") if ddp else ()
     proc = run_cli(run_dir, "task._target_=test_hook_errors.LossGoesNaN", "trainer.max_steps=20", every,
-                   "trainer.log_every_n_steps=100", fast=False)
+                   "trainer.log_every_n_steps=100", *parallel, fast=False,
+                   env={"PYTHONPATH": on_pythonpath(TESTS)} if ddp else None)
     line = one_error_line(proc)
-    assert line.startswith("Error: train/loss became nan at step 6 (epoch 0); training stopped"), line
+    assert re.match(r"Error: (\[rank \d\] )?train/loss became nan at step 6 \(epoch 0\); training stopped", line), line
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["error"].startswith("train/loss became nan at step 6"), summary
+    assert summary["status"] == "failed" and "train/loss became nan at step 6" in summary["error"], summary
     assert "once it is fixed" not in summary["error"]
     if saved:
         assert line.endswith(f"once it is fixed, resume={run_dir} continues the run from its newest checkpoint"), line
@@ -328,7 +333,7 @@ def test_a_loss_gone_nan_mid_run_is_a_failed_run_whose_line_names_the_command_th
                        for ckpt in (run_dir / "checkpoints").iterdir()}
         assert saved_steps == {"last": 3, "step-3": 3}, saved_steps  # nothing saved after the loss went NaN
         resumed = run_cli(None, f"resume={run_dir}", "task._target_=framework.task.classification.ClassificationTask",
-                          "trainer.max_steps=8", fast=False)
+                          "trainer.max_steps=8", fast=False, process=ddp)
         assert resumed.returncode == 0 and "Resumed from" in output(resumed), output(resumed)
     else:
         assert line.endswith("once it is fixed, the same command starts the run again"), line

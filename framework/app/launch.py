@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from framework.core.errors import ConfigError, HookError, Interrupted, UserError, os_error_line
+from framework.core.errors import ConfigError, HookError, Interrupted, TrainingFailed, UserError, os_error_line
 from framework.core.runlog import STORE_LOGGERS, RunLogHandler
 from framework.observe.progress import file_only
 from framework.observe.summary import SUMMARY_LOGGER
@@ -30,6 +30,9 @@ from framework.parallel.cluster import export_cluster_environment, tasks_as_rank
 log = logging.getLogger(__name__)
 
 GRACE_PERIOD_S = 10.0
+# The user's mistakes a spawned worker reports by kind, raised again by the parent as the same kind (the app tells a
+# hook's exception and a run that failed once it had trained from a refusal).
+_KINDS: dict[str, type[UserError]] = {"hook": HookError, "training": TrainingFailed}
 
 
 QUIET = ("hydra.output_subdir=null", "hydra/job_logging=quiet")  # a non-zero rank: no `.hydra/`, errors only
@@ -148,10 +151,10 @@ def spawn(
             pass
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
         if not errors.empty():
-            rank, message, signum, hook = errors.get()
+            rank, message, signum, kind = errors.get()
             if signum is not None:  # saved on a signal: the parent's own handler (submitit's) may requeue
                 raise Interrupted(signum, message, previous.get(signum)) from None
-            raise (HookError if hook else UserError)(message if nprocs == 1 else f"[rank {rank}] {message}") from None
+            raise _KINDS.get(kind, UserError)(message if nprocs == 1 else f"[rank {rank}] {message}") from None
         if received:
             raise KeyboardInterrupt from None
         raise WorkerFailed(str(err).strip()) from None
@@ -238,7 +241,8 @@ def _worker(
         if isinstance(err, HookError):
             file_only("".join(traceback.format_exception(err)).rstrip())
         if rank == 0 or not isinstance(err, Interrupted):
-            errors.put((rank, str(err), getattr(err, "signum", None), isinstance(err, HookError)))
+            kind = next((name for name, cls in _KINDS.items() if isinstance(err, cls)), None)
+            errors.put((rank, str(err), getattr(err, "signum", None), kind))
         sys.exit(1)
     except OSError as err:  # a full disk, an unwritable folder: one line by the parent, the traceback in run.log
         file_only("".join(traceback.format_exception(err)).rstrip())
