@@ -291,3 +291,45 @@ def test_a_file_url_remote_makes_its_folders_and_a_run_resumes_from_it(tmp_path)
     assert resumed.returncode == 0, output(resumed)
     assert json.loads((tmp_path / "again" / "summary.json").read_text())["step"] == 25
 
+
+
+def test_a_checkpoint_the_saver_replaces_while_it_goes_up_is_left_for_the_next_sync_not_a_store_failure(tmp_path):
+    """The mirror uploads on its own thread while the saver replaces `last` and prunes `step-N`: a file that then
+    reads back as another checkpoint's, or is gone, is the saver's doing, not the store's (a healthy run warned
+    "upload failed: UploadMismatch"). A store that returns other bytes for an unchanged checkpoint still fails."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from framework.checkpoint.upload import UploadMismatch, manifest_path, publish
+    from framework.core.stores import Store
+
+    run = tmp_path / "run"
+    proc = run_cli(run, *COMMON, "trainer.max_steps=20", "checkpoint.every_n_steps=10", "checkpoint.keep_last=-1",
+                   fast=False)
+    assert proc.returncode == 0, output(proc)
+    last, older = run / "checkpoints" / "last", run / "checkpoints" / "step-10"
+
+    class Saver(LocalFileSystem):  # the saver's atomic replacement of `last`, in the middle of the upload
+        def put_file(self, lpath: str, rpath: str, **kwargs: Any) -> None:
+            super().put_file(lpath, rpath, **kwargs)
+            if Path(lpath).parent == last and not (tmp_path / "swapped").exists():
+                (tmp_path / "swapped").touch()
+                shutil.copytree(older, tmp_path / "next")
+                (tmp_path / "next").rename(tmp_path / "previous")
+                last.rename(tmp_path / "gone")
+                (tmp_path / "previous").rename(last)
+
+    class Corrupting(LocalFileSystem):  # a store that keeps other bytes than it was sent
+        def put_file(self, lpath: str, rpath: str, **kwargs: Any) -> None:
+            super().put_file(lpath, rpath, **kwargs)
+            with open(rpath, "r+b") as f:
+                f.write(b"\0")
+
+    remote = tmp_path / "remote"
+    store = Store(f"file://{remote}", Saver(auto_mkdir=True), str(remote))
+    assert publish(store, last, {}) is None  # left for the next sync: no exception, no manifest
+    assert not Path(manifest_path(store, "last")).exists()
+    assert publish(store, last, {}) is not None  # the next sync publishes what `last` is now
+    assert json.loads(Path(manifest_path(store, "last")).read_text())["step"] == 10
+    broken = Store(f"file://{tmp_path / 'broken'}", Corrupting(auto_mkdir=True), str(tmp_path / "broken"))
+    with pytest.raises(UploadMismatch, match="read back as"):
+        publish(broken, older, {})

@@ -80,13 +80,29 @@ def publish(store: Store, path: Path, published: dict[str, str]) -> Optional[str
         return checkpoint_id
     if checkpoint_id not in published.values():
         where = store.path(CHECKPOINTS, DATA, checkpoint_id)
-        for name in names:
-            store.fs.put_file(str(path / name), f"{where}/{name}")
-        store.fs.pipe_file(f"{where}/{META_FILE}", meta_bytes)
-        verify(store, where, meta_bytes, meta, names)
+        try:
+            for name in names:
+                store.fs.put_file(str(path / name), f"{where}/{name}")
+            store.fs.pipe_file(f"{where}/{META_FILE}", meta_bytes)
+            verify(store, where, meta_bytes, meta, names)
+        except (UploadMismatch, FileNotFoundError) as err:
+            if not changed(path, checkpoint_id):
+                raise  # the store's doing
+            # The saver replaced it (`last`) or pruned it while it went up: not the store's failure. Nothing is
+            # published; its successor goes up at the next sync, and collect_garbage removes what was uploaded.
+            log.debug("%s: replaced or removed while uploading (%s); left for the next sync", path, err)
+            return None
     manifest = {"manifest_version": MANIFEST_VERSION, "name": path.name, "step": meta["step"], "data": checkpoint_id}
     store.fs.pipe_file(manifest_path(store, path.name), json.dumps(manifest).encode())
     return checkpoint_id
+
+
+def changed(path: Path, checkpoint_id: str) -> bool:
+    """Is local checkpoint `path` no longer the one with <id> `checkpoint_id` (replaced, pruned, being written)?"""
+    try:
+        return read_local(path)[0] != checkpoint_id
+    except (OSError, ValueError):
+        return True
 
 
 def verify(store: Store, where: str, meta_bytes: bytes, meta: dict[str, Any], names: list[str]) -> None:
