@@ -1264,3 +1264,20 @@ def test_validate_or_test_of_a_task_without_the_step_is_one_error_line(tmp_path)
                         ("test", "TrainingOnly defines no test_step (nor validation_step")):
         line = one_error_line(run_cli(tmp_path / stage, stage, f"ckpt={run_dir}", fast=False))
         assert says in line and "nothing to " + stage in line, line
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("extra, says", [
+    ("+data.val_sets.held={_target_: framework.zoo.datasets.digits, split: test}",
+     "data.val_sets.held: the task TrainingOnly defines no validation_step, so this set is never evaluated; expected "
+     "a validation_step in TrainingOnly, or no data.val_sets"),
+    ("+data.test_sets.held={_target_: framework.zoo.datasets.digits, split: test}",
+     "data.test_sets.held: the task TrainingOnly defines no test_step or validation_step, so this set is never "
+     "evaluated"),
+], ids=["val_sets", "test_sets"])
+def test_sets_named_for_a_split_the_task_never_evaluates_are_one_error_line(tmp_path, extra, says):
+    """The default data.val of a task without validation_step is skipped, as Lightning skips it; a set the user
+    named beside it would be skipped as silently, so it is refused."""
+    line = one_error_line(run_cli(tmp_path / "run", *NO_VAL, f"task._target_={HERE}.TrainingOnly", extra))
+    assert says in line, line
+    assert not (tmp_path / "run").exists()

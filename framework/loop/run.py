@@ -146,10 +146,30 @@ def check_set_steps(data: DataModule, task: Task) -> None:
     Lightning), so it must take one; with one, none, so it must not need one."""
     for split, method in (("val", "validation_step"), ("test", "test_step")):
         if not evaluates(data, task, split):
+            _refuse_unevaluated_sets(data, task, split)
             continue
         sets = [f"data.{key}" for key in data.sets(split)]
         which = f"{' and '.join(sets)} are {len(sets)} sets" if len(sets) > 1 else f"{sets[0]} is the one set"
         check_dataloader_idx(task, method if task_hooks.defines(task, method) else "validation_step", len(sets), which)
+
+
+def _refuse_unevaluated_sets(data: DataModule, task: Task, split: str) -> None:
+    """Sets named beside the default one (`data.val_sets.<name>`) for a split the run never evaluates: a mistake (a
+    default `data.val` the task does not use is not; Lightning skips it too)."""
+    extra = [key for key in data.sets(split) if key != split]
+    if not extra:
+        return
+    name = type(task).__name__
+    if not data.has(split):
+        raise ConfigError(
+            f"data.{extra[0]}: this run has no data.{split} (null), the split's default set, which its other sets "
+            f"stand beside; expected a data.{split}, or no data.{split}_sets"
+        )
+    steps = "validation_step" if split == "val" else "test_step or validation_step"
+    raise ConfigError(
+        f"data.{extra[0]}: the task {name} defines no {steps}, so this set is never evaluated; expected a {steps} "
+        f"in {name}, or no data.{split}_sets"
+    )
 
 
 def assemble(
