@@ -62,12 +62,15 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, Path]:
     return write_id_shards(folder, "train", SIZES), write_id_shards(folder, "val", [20]), folder
 
 
+EVERY = 4  # checkpoint.every_n_steps of these runs
+
+
 def overrides(shards: tuple[str, str, Path], ids: Path, *extra: str) -> tuple[str, ...]:
     train, val, _ = shards
     ids.mkdir(parents=True, exist_ok=True)
     return ("data=webdataset", f"data.train_shards='{train}'", f"data.val_shards='{val}'", "data.input_shape=[1,1,2]",
             "data.batch_size=8", "data.shuffle_buffer=16", "data.num_workers=2", "model.hidden=[8]",
-            "trainer.max_epochs=2", "checkpoint.every_n_steps=4", "checkpoint.async_save=true", "trainer.test=false",
+            "trainer.max_epochs=2", f"checkpoint.every_n_steps={EVERY}", "checkpoint.async_save=true", "trainer.test=false",
             "data.test=null",  # no test split: else the digits' shards, written to the user's cache
             "logger.progress_bar=false", "+callbacks.ids._target_=record.Record", f"+callbacks.ids.folder={ids}",
             *extra)
@@ -87,8 +90,9 @@ def run(run_dir: Path | None, args: tuple[str, ...], shards, kill_at: int | None
     env = {"PYTHONPATH": on_pythonpath(shards[2], *([KILLHOOK] if kill_at else []))}
     if kill_at:
         env.update(KILL_AT_STEP=str(kill_at), KILL_SIGNAL="SIGKILL")
-        if run_dir is not None:  # the first periodic save (step 4) written behind the loop is on disk first
-            env.update(KILL_WHEN_EXISTS=str(run_dir / "checkpoints" / "step-4"))
+        if run_dir is not None:  # the newest periodic save before the kill, written behind the loop, is on disk
+            # first (an older one may be gone already: checkpoint.keep_last=1 prunes it once the next is written)
+            env.update(KILL_WHEN_EXISTS=str(run_dir / "checkpoints" / f"step-{kill_at // EVERY * EVERY}"))
     proc = run_cli(run_dir, *args, fast=False, env=env)
     if kill_at is None:
         assert proc.returncode == 0, output(proc)
