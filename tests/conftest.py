@@ -47,14 +47,22 @@ def run_cli(run_dir: Path | None, *overrides: str, timeout: float = 180, env: di
     """`python run.py OVERRIDES` as a user runs it, with its run directory at `run_dir` (None: let the config choose,
     as for resume=RUN_DIR), as a finished process: returncode, stdout (the closing summary) and stderr (the rest, an
     error line last). In this process, through the Python API (framework.app.api), unless the run needs a process of
-    its own: environment variables to set (a kill hook, a tracker's), a multirun, spawned workers (ddp, fsdp), the
+    its own: environment variables to set (a kill hook, a tracker's; not a PYTHONPATH
+    that only makes tests/ importable, as it is here), a multirun, spawned workers (ddp, fsdp), the
     command line's own options (--cfg, -cd), or `process=True` where the process is what the test looks at (its argv,
     Hydra's logging set-up, a lock another process holds)."""
     where = [f"hydra.run.dir={run_dir}"] if run_dir is not None else []
     args = [*where, *(FAST if fast else ()), *overrides]
-    if process or env is not None or any(_needs_a_process(arg) for arg in args):
+    if process or any(_needs_a_process(arg) for arg in args) or env is not None and not _importable_here(env):
         return run_process([sys.executable, str(ROOT / "run.py"), *args], env=env, timeout=timeout)
     return run_in_process(args)
+
+
+def _importable_here(env: dict[str, str]) -> bool:
+    """Does `env` set nothing but a PYTHONPATH whose folders this process imports from already (tests/, where a
+    test's own task or callback is)?"""
+    folders = env.get("PYTHONPATH", "").split(os.pathsep)
+    return set(env) == {"PYTHONPATH"} and all(folder in sys.path or not folder for folder in folders)
 
 
 def _needs_a_process(arg: str) -> bool:

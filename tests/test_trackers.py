@@ -312,7 +312,8 @@ def test_an_mlflow_store_deleted_mid_run_is_one_line_on_the_console_and_the_run_
     store, run_dir = tmp_path / "store" / "mlflow.db", tmp_path / "run"
     proc = run_cli(run_dir, "logger=[tensorboard,mlflow]", f"logger.mlflow.tracking_uri=sqlite:///{store}",
                    "trainer.max_epochs=3", "trainer.limit_train_batches=3", "+callbacks.gone._target_=test_trackers.DeleteStore",
-                   f"+callbacks.gone.path={store}", env={"PYTHONPATH": on_pythonpath(TESTS)})
+                   f"+callbacks.gone.path={store}", env={"PYTHONPATH": on_pythonpath(TESTS)},
+                   process=True)  # the command line's console, with Hydra's logging set-up
     assert proc.returncode == 0, output(proc)
     lines = output(proc).replace(str(tmp_path), "TMP").splitlines()  # (the test's name has "mlflow" in it)
     theirs = [line for line in lines if re.search(r"mlflow|sql|alembic|traceback|warning|error", line, re.I)]
