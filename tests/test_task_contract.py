@@ -5,8 +5,9 @@ overfit_batches, detect_anomaly and test_ckpt.
 
 Tasks here are LightningModules ported the way lightning-hydra-template's are (`net` given by config, steps with
 `batch_idx`, `self.log`), on the digits data. Runs are tiny and in-process unless the behaviour is the command
-line's (one `Error:` line, exit 1, no run directory left), which runs `run.py` with this directory on PYTHONPATH so
-that `task._target_=test_task_contract.X` imports. Tests marked xfail(strict=True) pin a place where the
+line's (one `Error:` line, exit 1, no run directory left), which runs through the Python API as `run.py` would
+(`task._target_=test_task_contract.X` imports: this directory is on the path), or as `run.py` where its console is
+what a test reads. Tests marked xfail(strict=True) pin a place where the
 framework departs from Lightning's contract; each says how.
 """
 from __future__ import annotations
@@ -62,10 +63,11 @@ def build(compose, run_dir: Path, task: type, *overrides: str, resume_from: Any 
     return Trainer(cfg, run_dir, resume_from=resume_from)
 
 
-def cli(run_dir: Path, task: type, *overrides: str):
-    """`python run.py` on one tiny epoch of `task`, as a user runs it."""
+def cli(run_dir: Path, task: type, *overrides: str, process: bool = False):
+    """`python run.py` on one tiny epoch of `task`, as a user runs it: through the API in this process (which imports
+    this module already), or in a process of its own with `process` (what Python's warnings print on its console)."""
     return run_cli(run_dir, *ONE_EPOCH, f"task._target_={HERE}.{task.__name__}", *overrides,
-                   env={"PYTHONPATH": TESTS}, fast=False)
+                   env={"PYTHONPATH": TESTS}, fast=False, process=process)
 
 
 def assert_refused(proc, run_dir: Path, *needles: str) -> str:
@@ -1177,7 +1179,7 @@ def test_overfit_batches_trains_and_validates_on_the_same_first_batches_every_ep
 @pytest.mark.e2e
 def test_detect_anomaly_names_the_backward_op_that_made_a_nan_in_one_error_line(tmp_path):
     run_dir = tmp_path / "run"
-    proc = cli(run_dir, NanInBackward, "trainer.detect_anomaly=true")
+    proc = cli(run_dir, NanInBackward, "trainer.detect_anomaly=true", process=True)  # torch warns the traceback
     out = output(proc)
     errors = [line for line in out.splitlines() if line.startswith("Error:")]
     assert proc.returncode == 1 and len(errors) == 1, out

@@ -99,8 +99,6 @@ class Trainer:
             except BaseException as err:
                 finished = isinstance(err, Interrupted)  # a signal stop is agreed by every rank: still in step
                 self._on_exception(err)
-                if self._failed_in_training(err):
-                    raise TrainingFailed(str(err)) from err
                 raise
             finally:
                 run.bar.close()
@@ -112,8 +110,9 @@ class Trainer:
                 print_summary(summary, run.run_dir, kept=not run.limits.fast_dev_run)
         return summary
 
-    def _failed_in_training(self, err: BaseException) -> bool:
-        """A user's mistake (not a hook's exception, not a signal) after this attempt took a step: a failed run."""
+    def failed_after_training(self, err: BaseException) -> bool:
+        """Is `err`, which ended fit, a user's mistake (not a hook's exception, not a signal) found after this attempt
+        took a step: a run that failed, not a refusal (framework/stages/fit.py)."""
         mistake = isinstance(err, UserError) and not isinstance(err, (HookError, Interrupted, TrainingFailed))
         return mistake and self.run.progress.step > self._started_at[1]
 

@@ -10,6 +10,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from framework.checkpoint import Checkpoint
+from framework.core.errors import TrainingFailed, UserError
 from framework.loop.trainer import Trainer
 from framework.parallel import allocator
 
@@ -27,6 +28,10 @@ def fit(
     trainer = Trainer(cfg, run_dir, resume_from=checkpoint, hparams=hparams, choices=choices)
     try:
         return trainer.fit()
+    except UserError as err:
+        if trainer.failed_after_training(err):  # a loss gone NaN, data gone mid-epoch: the run failed
+            raise TrainingFailed(str(err)) from err
+        raise
     finally:
         # Freed now, while the interpreter is whole: a DDP model holds the gloo process group, whose C++ threads,
         # destroyed during interpreter shutdown instead, aborted a worker now and then; and a sweep's next job
