@@ -7,6 +7,7 @@ key, a wrong type, an unknown group option) are found by Hydra while composing t
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -123,7 +124,10 @@ def test_diverging_loss_stops_at_its_step_and_keeps_the_events_already_written(t
     losses = read_scalars(tmp_path)["train/loss"]
     assert losses, "the finite losses logged before the failure are readable"
     assert all(step < bad_step and math.isfinite(value) for step, value in losses), losses
-    assert not (tmp_path / "summary.json").exists()
+    # It had trained: a run that failed (docs/checkpoints.md), not a refusal; the line says how to go on.
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and f"at step {bad_step}" in summary["error"], summary
+    assert "once it is fixed, " in text, text
 
 
 def test_full_error_env_shows_the_traceback_of_our_config_error(tmp_path: Path) -> None:
