@@ -159,12 +159,7 @@ def _refuse_unevaluated_sets(data: DataModule, task: Task, split: str) -> None:
     extra = [key for key in data.sets(split) if key != split]
     if not extra:
         return
-    name = type(task).__name__
-    if not data.has(split):
-        raise ConfigError(
-            f"data.{extra[0]}: this run has no data.{split} (null), the split's default set, which its other sets "
-            f"stand beside; expected a data.{split}, or no data.{split}_sets"
-        )
+    name = type(task).__name__  # (a null default set beside named ones is refused with the config: validate.py)
     steps = "validation_step" if split == "val" else "test_step or validation_step"
     raise ConfigError(
         f"data.{extra[0]}: the task {name} defines no {steps}, so this set is never evaluated; expected a {steps} "
