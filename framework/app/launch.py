@@ -9,7 +9,6 @@ submitit) gets it from the job's own (framework/parallel/cluster.py), each task 
 
 from __future__ import annotations
 
-import gc
 import logging
 import multiprocessing
 import os
@@ -251,7 +250,3 @@ def _worker(
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
-    # What the stage built is garbage now: freed while the interpreter is whole. A model still holding the gloo
-    # process group in a reference cycle would be destroyed during interpreter shutdown instead, with gloo's C++
-    # threads (std::terminate, SIGABRT: a predict under DDP ended so now and then).
-    gc.collect()

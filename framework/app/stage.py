@@ -4,6 +4,8 @@ peer in framework/stages/. Imported once the config is known good (torch)."""
 
 from __future__ import annotations
 
+import gc
+import os
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -20,7 +22,24 @@ def run_stage(
     choices: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """Run `cfg.stage` and return its summary. `checkpoint`: what fit resumes from, or what a stage evaluates (a
-    spawned worker gets its path)."""
+    spawned worker gets its path). With several ranks, what the stage built is collected before this returns, while
+    the interpreter is whole: anything in a reference cycle that holds the gloo process group (a DDP model) would be
+    destroyed during interpreter shutdown instead, with gloo's C++ threads (std::terminate, SIGABRT: a torchrun rank
+    after fit, a spawned worker after predict, each once)."""
+    try:
+        return _run(cfg, run_dir, checkpoint, hparams, choices)
+    finally:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            gc.collect()
+
+
+def _run(
+    cfg: DictConfig,
+    run_dir: Path,
+    checkpoint: Union[None, Path, Checkpoint],
+    hparams: Optional[dict[str, Any]],
+    choices: Optional[dict[str, Any]],
+) -> dict[str, Any]:
     if isinstance(checkpoint, Path):
         checkpoint = open_checkpoint(checkpoint)
     stage = cfg.get("stage", "fit")

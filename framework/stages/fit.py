@@ -33,16 +33,13 @@ def fit(
             raise TrainingFailed(str(err)) from err
         raise
     finally:
-        # Freed now, while the interpreter is whole: a DDP model holds the gloo process group, whose C++ threads,
-        # destroyed during interpreter shutdown instead, aborted a worker now and then; and a sweep's next job
-        # does not start with the last one's model, optimizer and data still in memory. Nothing of the run refers
-        # back to the trainer (the task sees a RunView), so dropping it frees the run without a collection, unless
-        # user code tied it in a cycle (a callback holding the trainer). A full collection costs ~0.4 s in a large
-        # process: made where a part outlived `del`, and always with several ranks (anything holding a process
-        # group, not only the model: a torchrun rank aborted at exit without it).
+        # Freed now: a sweep's next job does not start with the last one's model, optimizer and data still in
+        # memory. Nothing of the run refers back to the trainer (the task sees a RunView), so dropping it frees the
+        # run without a collection, unless user code tied it in a cycle (a callback holding the trainer): a full
+        # collection (~0.4 s in a large process) is made only then. With several ranks, run_stage collects anyway
+        # (framework/app/stage.py: the process group).
         trainer.run.data.close()  # see DataModule.close
-        ranks = trainer.run.strategy.world_size
         built = [weakref.ref(part) for part in (trainer, trainer.run.task, trainer.run.model)]
         del trainer
-        if ranks > 1 or any(part() is not None for part in built):
+        if any(part() is not None for part in built):
             gc.collect()
