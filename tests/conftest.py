@@ -48,9 +48,9 @@ def run_cli(run_dir: Path | None, *overrides: str, timeout: float = 180, env: di
     as for resume=RUN_DIR), as a finished process: returncode, stdout (the closing summary) and stderr (the rest, an
     error line last). In this process, through the Python API (framework.app.api), unless the run needs a process of
     its own: environment variables to set (a kill hook, a tracker's; not a PYTHONPATH
-    that only makes tests/ importable, as it is here), a multirun, spawned workers (ddp, fsdp), the
-    command line's own options (--cfg, -cd), or `process=True` where the process is what the test looks at (its argv,
-    Hydra's logging set-up, a lock another process holds)."""
+    that only makes tests/ importable, as it is here), a multirun, the command line's own options (--cfg, -cd), or
+    `process=True` where the process is what the test looks at (its argv, Hydra's logging set-up, a lock another
+    process holds). DDP and FSDP runs start their workers from here, as a Python program's would."""
     where = [f"hydra.run.dir={run_dir}"] if run_dir is not None else []
     args = [*where, *(FAST if fast else ()), *overrides]
     if process or any(_needs_a_process(arg) for arg in args) or env is not None and not _importable_here(env):
@@ -66,37 +66,67 @@ def _importable_here(env: dict[str, str]) -> bool:
 
 
 def _needs_a_process(arg: str) -> bool:
-    return arg.startswith("-") or arg.replace(" ", "") in ("parallel=ddp", "parallel=fsdp") or arg.startswith(
-        ("experiment=lm_fsdp",)
-    )
+    return arg.startswith("-")
 
 
 def run_in_process(args: list[str]) -> subprocess.CompletedProcess:
     """The run through framework.app.api.run, its console captured as the command line prints it: the closing summary
-    (logger framework.summary) as stdout, every other line as stderr, a mistake as its `Error: ` line and code 1."""
+    (logger framework.summary) as stdout, every other line as stderr, a mistake as its `Error: ` line and code 1.
+    This process's stdout and stderr go to the same files meanwhile, which DDP workers write to (rank 0's summary
+    and lines: framework/app/launch.py hands them the parent's console), so both keep the order they were written."""
     from framework.app import api
-    from framework.core.errors import Interrupted, UserError
+    from framework.app.launch import WorkerFailed
+    from framework.core.errors import Interrupted, UserError, os_error_line
 
-    out, err = io.StringIO(), io.StringIO()
-    summary, console = _StreamHandler(out), _StreamHandler(err)
-    console.addFilter(lambda record: not record.name.startswith("framework.summary"))
-    root, summary_log = logging.getLogger(), logging.getLogger("framework.summary")
-    root.addHandler(console)
-    summary_log.addHandler(summary)
-    code = 0
+    with tempfile.TemporaryFile("a+") as out, tempfile.TemporaryFile("a+") as err, _console_to(out, err):
+        summary, console = _StreamHandler(out), _StreamHandler(err)
+        console.addFilter(lambda record: not record.name.startswith("framework.summary"))
+        root, summary_log = logging.getLogger(), logging.getLogger("framework.summary")
+        root.addHandler(console)
+        summary_log.addHandler(summary)
+        code = 0
+        try:
+            with contextlib.redirect_stdout(out):
+                api.run(args)
+        except Interrupted as stopped:
+            err.write(f"{stopped}\n")
+            code = 128 + stopped.signum
+        except UserError as mistake:
+            err.write(f"Error: {mistake}\n")
+            code = 1
+        except WorkerFailed as failed:
+            err.write(f"Error: a worker process failed:\n{failed}\n")
+            code = 1
+        except OSError as failed:
+            err.write(f"Error: {os_error_line(failed)}\n")
+            code = 1
+        finally:
+            root.removeHandler(console)
+            summary_log.removeHandler(summary)
+        texts = []
+        for stream in (out, err):
+            stream.flush()
+            stream.seek(0)
+            texts.append(stream.read())
+    return subprocess.CompletedProcess(["run.py", *args], code, *texts)
+
+
+@contextlib.contextmanager
+def _console_to(out: Any, err: Any) -> Iterator[None]:
+    """File descriptors 1 and 2 of this process on `out` and `err` (as pytest's capfd does), and back after."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
     try:
-        with contextlib.redirect_stdout(out):
-            api.run(args)
-    except Interrupted as stopped:
-        err.write(f"{stopped}\n")
-        code = 128 + stopped.signum
-    except UserError as mistake:
-        err.write(f"Error: {mistake}\n")
-        code = 1
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        yield
     finally:
-        root.removeHandler(console)
-        summary_log.removeHandler(summary)
-    return subprocess.CompletedProcess(["run.py", *args], code, out.getvalue(), err.getvalue())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, previous in zip((1, 2), saved):
+            os.dup2(previous, fd)
+            os.close(previous)
 
 
 class _StreamHandler(logging.StreamHandler):
@@ -236,8 +266,29 @@ RANK_PARALLEL = {"find_unused_parameters": False, "static_graph": False, "backen
                  "cpu_offload": False}
 
 
+def start_ranks(worker: Any, args: tuple, nprocs: int = 2) -> None:
+    """`worker(rank, *args)` in `nprocs` processes, waited for, as the framework starts its DDP workers
+    (framework/app/launch.py): forked from multiprocessing's forkserver, which imports torch and the framework once
+    for every test of this pytest worker. A rank's failure is raised here (torch.multiprocessing's)."""
+    import torch.multiprocessing as mp
+
+    from framework.app.launch import PRELOAD, START_METHOD
+
+    mp.set_forkserver_preload(list(PRELOAD))  # read as the server starts: by the first test of this pytest worker
+    mp.start_processes(worker, args=args, nprocs=nprocs, start_method=START_METHOD)
+
+
+def rank_queue() -> Any:
+    """A queue that start_ranks' processes can put to."""
+    import torch.multiprocessing as mp
+
+    from framework.app.launch import START_METHOD
+
+    return mp.get_context(START_METHOD).Queue()
+
+
 def join_test_ranks(rank: int, port: int) -> None:
-    """In a rank a test spawned itself (torch.multiprocessing, 2 processes): the environment torchrun would give it,
+    """In a rank a test started itself (start_ranks, 2 processes): the environment torchrun would give it,
     one intra-op thread."""
     import torch
 

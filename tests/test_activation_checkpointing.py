@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import RANK_PARALLEL, join_test_ranks
+from conftest import RANK_PARALLEL, join_test_ranks, start_ranks
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -123,7 +122,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 @pytest.mark.distributed
 def test_ddp_and_fsdp_give_the_same_gradients_with_full_checkpointing(tmp_path: Path):
     out = str(tmp_path / "grads.pt")
-    mp.start_processes(_rank, args=(free_port(), out), nprocs=2, start_method="spawn")
+    start_ranks(_rank, (free_port(), out))
     results = torch.load(out)
     for name in ("ddp", "fsdp"):
         plain, checkpointed = results[name, "none"], results[name, "full"]

@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import final_state, output, run_cli
+from conftest import final_state, output, run_cli, start_ranks
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from framework.app.launch import free_port
@@ -76,8 +75,7 @@ def test_ddp_runs_one_gradient_all_reduce_per_optimizer_step(compose, tmp_path):
 
     cfg = compose("parallel=ddp", "data.batch_size=16", "logger.progress_bar=false", "checkpoint=none", *LOOP)
     OmegaConf.resolve(cfg)  # spawned workers have no HydraConfig to resolve `${hydra:...}` with
-    mp.start_processes(_counting_worker, args=(2, [free_port(), free_port()], cfg, tmp_path), nprocs=2,
-                       start_method="spawn")
+    start_ranks(_counting_worker, (2, [free_port(), free_port()], cfg, tmp_path))
 
     rounds = {}
     for name in ("no_sync", "without"):

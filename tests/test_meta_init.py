@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import RANK_PARALLEL, join_test_ranks
+from conftest import RANK_PARALLEL, join_test_ranks, start_ranks
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 from torch import nn
@@ -159,8 +158,7 @@ def test_two_fsdp_ranks_hold_the_plain_builds_weights_or_init_froms(tmp_path: Pa
     other = {k: torch.randn_like(v) for k, v in plain.state_dict().items()}
     save_file(other, str(tmp_path / "w.safetensors"))
     out = str(tmp_path / "out.pt")
-    mp.start_processes(_rank, args=(free_port(), str(tmp_path / "w.safetensors"), out), nprocs=2,
-                       start_method="spawn")
+    start_ranks(_rank, (free_port(), str(tmp_path / "w.safetensors"), out))
     results = torch.load(out)
     for name, value in plain.state_dict().items():
         assert torch.equal(results[False][name], value), name

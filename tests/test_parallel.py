@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import ROOT, output
+from conftest import ROOT, output, start_ranks
 from safetensors.torch import load_file, save_file
 
 from framework.app.launch import _host_store
@@ -59,7 +58,7 @@ def _ddp_worker(rank: int, world: int, port: int, cfg: Any, run_dir: Path) -> No
 def run_ddp(cfg: Any, run_dir: Path, world: int = 2) -> dict[str, torch.Tensor]:
     run_dir.mkdir(parents=True, exist_ok=True)
     store = _host_store(world)
-    mp.start_processes(_ddp_worker, args=(world, store.port, cfg, run_dir), nprocs=world, start_method="spawn")
+    start_ranks(_ddp_worker, (world, store.port, cfg, run_dir), nprocs=world)
     return load_file(str(run_dir / "weights.safetensors"))
 
 

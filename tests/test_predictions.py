@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from conftest import start_ranks
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
@@ -396,7 +396,7 @@ def _free_port() -> int:
 @pytest.mark.e2e
 @pytest.mark.distributed
 def test_two_gloo_ranks_write_their_shares_and_rank_0_merges_them(tmp_path):
-    mp.start_processes(_predict_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    start_ranks(_predict_rank, (2, _free_port(), str(tmp_path)))
     table = pq.read_table(tmp_path / "predictions.parquet")
     torch.manual_seed(0)
     model = nn.Linear(2, 3)

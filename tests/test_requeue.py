@@ -126,16 +126,20 @@ def _start(run_dir: Path, *overrides: str, env: dict[str, str]) -> subprocess.Po
                             env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _spawned_workers(pid: int) -> int:
-    """How many of `pid`'s children are torch.multiprocessing's spawned workers."""
+def _children(pid: int) -> list[str]:
     try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     except OSError:
-        return 0
+        return []
+
+
+def _started_workers(pid: int) -> int:
+    """How many DDP workers `pid` has started: the children of its multiprocessing forkserver."""
     count = 0
-    for child in children:
+    for child in _children(pid):
         try:
-            count += "spawn_main" in Path(f"/proc/{child}/cmdline").read_text()
+            if "forkserver" in Path(f"/proc/{child}/cmdline").read_text():
+                count += len(_children(int(child)))
         except OSError:
             pass
     return count
@@ -166,7 +170,7 @@ def test_a_cluster_signal_while_the_run_starts_is_held_then_saved_requeued_and_r
     quick = (*QUICK, "trainer.max_steps=12", *(("parallel=ddp", "parallel.devices=2") if "ddp" in moment else ()))
     proc = _start(run, *quick, env=env)
     ready = ((lambda: (run / ".hydra" / "config.yaml").is_file()) if moment == "composing" else
-             (lambda: _spawned_workers(proc.pid) == 2))
+             (lambda: _started_workers(proc.pid) == 2))
     text = _signal_while_starting(proc, ready, [signal.SIGUSR1])
     assert proc.returncode == 128 + signal.SIGUSR1, text
     assert "Received SIGUSR1 while the run was starting" in text, text

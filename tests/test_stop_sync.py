@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 import pytest
-import torch.multiprocessing as mp
+from conftest import rank_queue, start_ranks
 
 from framework.checkpoint.state import Progress
 from framework.loop.stop import Stop
@@ -105,8 +105,8 @@ def _free_port() -> int:
 
 
 def test_two_ranks_agree_on_stops_without_waiting_for_each_other_at_every_step(tmp_path):
-    passed = mp.get_context("spawn").Queue()
-    mp.start_processes(_worker, args=(2, _free_port(), passed, str(tmp_path)), nprocs=2, start_method="spawn")
+    passed = rank_queue()
+    start_ranks(_worker, (2, _free_port(), passed, str(tmp_path)))
     zero, one = (json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1))
     assert one["alone"] == STEPS  # rank 0 left every step's agreement before rank 1 reached it
     # A request at step 3 (rank 0's) is seen by both at step 4, which both stop after.

@@ -1,7 +1,10 @@
 """Starting the processes of `parallel=ddp` when no launcher did, and keeping torchrun's ranks in one run.
 
-`python run.py parallel=ddp` spawns one worker per device with torch.multiprocessing (loopback rendezvous
-on a free port); the parent only waits. torch's process context watches the workers: when one fails, the
+`python run.py parallel=ddp` starts one worker per device with torch.multiprocessing (loopback rendezvous
+on a port the parent's store holds); the parent only waits. The workers fork from multiprocessing's forkserver, one
+process that imported torch and the framework once, instead of each importing them (~3.5 CPU-s a worker, every
+device at once on a node); each takes the parent's environment and console as they are when it starts, as a spawned
+one would. torch's process context watches the workers: when one fails, the
 others are terminated (SIGTERM, then SIGKILL after a grace period), so a failure never hangs the job.
 Under torchrun the environment is already set and nothing is spawned here; a cluster job of several tasks (`srun`,
 submitit) gets it from the job's own (framework/parallel/cluster.py), each task one rank.
@@ -101,6 +104,54 @@ def _held_while_starting() -> list[signal.Signals]:
     return [signal.SIGINT, *cluster_signals()]
 
 
+# What the forkserver imports once, for every worker it forks (multiprocessing.set_forkserver_preload: a name that
+# fails to import is skipped). `__main__` is the command's script: a worker runs it again as `__mp_main__`, as a
+# spawned one does (Python 3.11's server does not preload it), so what run.py imports is named too; torch is the
+# bulk, torch._dynamo what torch imports lazily as the first optimizer is built (torch/_compile.py: ~1.5 s of a
+# worker's start), the rest what a worker runs. Nothing here starts CUDA or a Python thread: forking the server is
+# safe.
+PRELOAD = (
+    "__main__",
+    "framework.app.cli",
+    "framework.app.launch",
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "framework.app.stage",
+    "framework.stages.fit",
+    "framework.stages.evaluate",
+    "framework.stages.predict",
+)
+START_METHOD = "forkserver"
+
+
+class _Console:
+    """This process's stdout and stderr, for a worker to write to: a forkserver's worker inherits the server's, as
+    they were when the server started (an earlier run's, for a program that runs several), where a spawned one
+    inherited this process's. Sent as multiprocessing sends a Connection: the descriptors themselves."""
+
+    def __init__(self) -> None:
+        from multiprocessing.connection import Connection
+
+        self.streams = [(fd, Connection(os.dup(fd), readable=False)) for fd in (1, 2) if _is_open(fd)]
+
+    def take(self) -> None:
+        """In the worker: write where the parent's stdout and stderr went when it started this worker."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, stream in self.streams:
+            os.dup2(stream.fileno(), fd)
+            stream.close()
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:  # a daemon's closed stdio: the worker keeps what it has
+        return False
+    return True
+
+
 class WorkerFailed(Exception):
     """A worker died of a bug (not a user mistake): carries its traceback text."""
 
@@ -124,21 +175,14 @@ def spawn(
 
     from framework.core.signals import LATCH, STOP_ONLY, watched
 
-    errors = mp.get_context("spawn").SimpleQueue()
+    errors = mp.get_context(START_METHOD).SimpleQueue()
     store = _host_store(nprocs)
-    args = (nprocs, store.port, cfg, run_dir, checkpoint, hparams, choices, errors)
-    # The workers start with these signals blocked (a signal mask is inherited), so one sent while they import
-    # torch waits until _worker holds it for its training loop, instead of killing a worker that saved nothing.
-    startup_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _held_while_starting())
-    try:
-        context = mp.start_processes(_worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, startup_mask)
+    workers = _start(nprocs, (nprocs, store.port, cfg, run_dir, checkpoint, hparams, choices, errors))
     received: list[int] = []
 
     def forward(signum: int, _frame: Any) -> None:
         received.append(signum)
-        for process in context.processes:
+        for process in workers.processes:
             if process.is_alive():
                 os.kill(process.pid, signal.SIGTERM if signum in STOP_ONLY else signum)
 
@@ -147,7 +191,7 @@ def spawn(
     for sig in LATCH.release(taken_over=previous):  # one that came while this process started: the workers' now
         forward(sig, None)
     try:
-        while not context.join(grace_period=GRACE_PERIOD_S):
+        while not workers.join(grace_period=GRACE_PERIOD_S):
             pass
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
         if not errors.empty():
@@ -162,6 +206,25 @@ def spawn(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         del store  # served until every worker has ended
+
+
+def _start(nprocs: int, args: tuple[Any, ...]) -> Any:
+    """`nprocs` workers started on `args`, forked from the forkserver (started here the first time, with PRELOAD),
+    each also given this process's environment and console as they are now; torch's process context for them.
+
+    They start with `_held_while_starting` blocked (a signal mask is inherited: by the server, and by what it forks),
+    so such a signal sent while a worker starts waits until _worker holds it for its training loop, instead of
+    killing a worker that saved nothing; the server keeps them blocked for good (a scheduler's SIGTERM to every
+    process of the job must not end the server, whose end the workers' parent would take for theirs)."""
+    import torch.multiprocessing as mp
+
+    mp.get_context(START_METHOD).set_forkserver_preload(list(PRELOAD))  # read as the server starts: once a process
+    startup_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _held_while_starting())
+    try:
+        given = (*args, dict(os.environ), _Console())
+        return mp.start_processes(_worker, args=given, nprocs=nprocs, join=False, start_method=START_METHOD)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, startup_mask)
 
 
 def _configure_logging(rank: int, run_dir: Path) -> None:
@@ -211,15 +274,20 @@ def _worker(
     hparams: Optional[dict[str, Any]],
     choices: Optional[dict[str, Any]],
     errors: Any,
+    environment: dict[str, str],
+    console: _Console,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent forwards Ctrl-C as SIGTERM, once
+    os.environ.clear()
+    os.environ.update(environment)
+    console.take()
     from framework.core.signals import LATCH
 
     LATCH.install()  # then let in what was sent while this process started (spawn blocked it): held for the loop
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _held_while_starting())
-    # A spawned child inherits "spawn" as its default start method (multiprocessing.spawn.prepare), so its
-    # DataLoader workers would each start a fresh interpreter and import torch again (~1.5 s, every epoch
-    # without persistent workers). Back to the platform's default, as a process torchrun started has.
+    # A worker inherits the parent's default start method (multiprocessing.spawn.prepare): "spawn" where a program
+    # set it, and its DataLoader workers would each start a fresh interpreter and import torch again (~1.5 s, every
+    # epoch without persistent workers). Back to the platform's default, as a process torchrun started has.
     multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
     # The parent serves the store at MASTER_ADDR:MASTER_PORT (_host_store): every rank joins it as a client, as
     # torchrun's workers join its agent's (torch.distributed.rendezvous reads the same flag).

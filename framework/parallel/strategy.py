@@ -185,10 +185,19 @@ def join(group: ProcessGroup, parallel_cfg: Any, requested: str, offload: bool) 
     device = pick_device(requested, group.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    elif "OMP_NUM_THREADS" not in os.environ:
+    threads = _omp_num_threads()
+    if threads:  # set here: a forked worker's OpenMP read its server's environment, not the run's
+        torch.set_num_threads(threads)
+    elif device.type != "cuda":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.local_world_size))
     group.join(parallel_cfg.backend or default_backend(device, offload=offload), parallel_cfg.timeout_s)
     return device
+
+
+def _omp_num_threads() -> int:
+    """OMP_NUM_THREADS's threads for this process (its first level: OpenMP takes a list), or 0 where it is unset."""
+    value = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(value) if value.isdigit() else 0
 
 
 class FSDPStrategy(Strategy):

@@ -2,7 +2,8 @@
 
 Python's `site` imports `sitecustomize` at interpreter start-up from the first sys.path entry that has
 one, so a test puts this folder on PYTHONPATH for the one run it wants interrupted (and, through the
-inherited environment, for that run's spawned DDP workers). Nothing else in the environment has a
+inherited environment, for that run's DDP workers: torchrun's start an interpreter each, and the framework's fork
+from a forkserver that started one, so what this installs must read the rank when it acts, not when it loads). Nothing else in the environment has a
 `sitecustomize` (test_resume_matrix checks), so none is shadowed. Without $KILL_AT_STEP it does nothing,
 not even import torch.
 
@@ -77,11 +78,11 @@ def _kill_on_open(pattern: str) -> None:
         path = args[0] if event == "open" else None
         if isinstance(path, os.PathLike):
             path = os.fspath(path)
-        if isinstance(path, str) and fnmatch.fnmatch(path, pattern):
+        # RANK read now: a DDP worker forked from a forkserver has this hook from the server, which has no rank
+        if isinstance(path, str) and fnmatch.fnmatch(path, pattern) and os.environ.get("RANK") in (None, "0"):
             os.kill(os.getpid(), signal.SIGKILL)
 
-    if os.environ.get("RANK") in (None, "0"):
-        sys.addaudithook(audit)
+    sys.addaudithook(audit)
 
 
 if os.environ.get("KILL_ON_OPEN"):
