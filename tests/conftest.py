@@ -19,6 +19,7 @@ import copy
 import io
 import logging
 import hashlib
+import importlib
 import json
 import os
 import pickle
@@ -47,22 +48,53 @@ def run_cli(run_dir: Path | None, *overrides: str, timeout: float = 180, env: di
     """`python run.py OVERRIDES` as a user runs it, with its run directory at `run_dir` (None: let the config choose,
     as for resume=RUN_DIR), as a finished process: returncode, stdout (the closing summary) and stderr (the rest, an
     error line last). In this process, through the Python API (framework.app.api), unless the run needs a process of
-    its own: environment variables to set (a kill hook, a tracker's; not a PYTHONPATH
-    that only makes tests/ importable, as it is here), a multirun, the command line's own options (--cfg, -cd), or
+    its own: environment variables to set (a kill hook, a tracker's; not a PYTHONPATH alone, whose folders a run in
+    this process imports from meanwhile), a multirun, the command line's own options (--cfg, -cd), or
     `process=True` where the process is what the test looks at (its argv, Hydra's logging set-up, a lock another
     process holds). DDP and FSDP runs start their workers from here, as a Python program's would."""
     where = [f"hydra.run.dir={run_dir}"] if run_dir is not None else []
     args = [*where, *(FAST if fast else ()), *overrides]
-    if process or any(_needs_a_process(arg) for arg in args) or env is not None and not _importable_here(env):
+    folders = _pythonpath_alone(env) if env is not None else []
+    if process or any(_needs_a_process(arg) for arg in args) or folders is None:
         return run_process([sys.executable, str(ROOT / "run.py"), *args], env=env, timeout=timeout)
-    return run_in_process(args)
+    with _importing_from(folders):
+        return run_in_process(args)
 
 
-def _importable_here(env: dict[str, str]) -> bool:
-    """Does `env` set nothing but a PYTHONPATH whose folders this process imports from already (tests/, where a
-    test's own task or callback is)?"""
-    folders = env.get("PYTHONPATH", "").split(os.pathsep)
-    return set(env) == {"PYTHONPATH"} and all(folder in sys.path or not folder for folder in folders)
+def _pythonpath_alone(env: dict[str, str]) -> list[str] | None:
+    """The folders of `env`'s PYTHONPATH that this process does not import from yet, where `env` sets nothing else
+    (a test's own task or callback, in tests/ or a folder it wrote); None where the run needs a process of its own:
+    other variables, a folder with a `sitecustomize` (which only a new interpreter runs), or a module whose name
+    this process has imported from elsewhere."""
+    if set(env) != {"PYTHONPATH"}:
+        return None
+    folders = [folder for folder in env["PYTHONPATH"].split(os.pathsep) if folder and folder not in sys.path]
+    modules = {path.stem for folder in folders for path in Path(folder).glob("*")
+               if path.suffix == ".py" or (path / "__init__.py").exists()}
+    if "sitecustomize" in modules or modules & sys.modules.keys():  # a module of that name imported already
+        return None
+    return folders
+
+
+@contextlib.contextmanager
+def _importing_from(folders: list[str]) -> Iterator[None]:
+    """`folders` first on sys.path while a run imports from them, as its PYTHONPATH would put them; afterwards
+    gone, with the modules imported from them (another test may write its own module of the same name)."""
+    if not folders:
+        yield
+        return
+    sys.path[:0] = folders
+    importlib.invalidate_caches()
+    try:
+        yield
+    finally:
+        for folder in folders:
+            sys.path.remove(folder)
+        roots = [Path(folder).resolve() for folder in folders]
+        for name, module in list(sys.modules.items()):
+            where = getattr(module, "__file__", None)
+            if where and any(Path(where).resolve().is_relative_to(root) for root in roots):
+                del sys.modules[name]
 
 
 def _needs_a_process(arg: str) -> bool:

@@ -333,7 +333,7 @@ def test_a_loss_gone_nan_mid_run_is_a_failed_run_whose_line_names_the_command_th
                        for ckpt in (run_dir / "checkpoints").iterdir()}
         assert saved_steps == {"last": 3, "step-3": 3}, saved_steps  # nothing saved after the loss went NaN
         resumed = run_cli(None, f"resume={run_dir}", "task._target_=framework.task.classification.ClassificationTask",
-                          "trainer.max_steps=8", fast=False, process=ddp)
+                          "trainer.max_steps=8", fast=False)
         assert resumed.returncode == 0 and "Resumed from" in output(resumed), output(resumed)
     else:
         assert line.endswith("once it is fixed, the same command starts the run again"), line

@@ -118,13 +118,12 @@ def composed(*overrides: str) -> DictConfig:
 
 
 def spawns(overrides: tuple[str, ...]) -> bool:
-    """Does the run spawn worker processes (DDP, FSDP)? Then it and its resume run in a process of their own, as
-    run.py, which forwards a signal to its workers (a resume's command line does not name the strategy)."""
+    """Does the run start worker processes (DDP, FSDP)? A signal then reaches them through their parent."""
     return composed(overrides[0]).parallel.strategy in ("ddp", "fsdp")
 
 
 def uninterrupted_state(run_dir: Path, overrides: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    whole = run_cli(run_dir, *overrides, fast=False, process=spawns(overrides))
+    whole = run_cli(run_dir, *overrides, fast=False)
     assert whole.returncode == 0, output(whole)
     return final_state(run_dir)
 
@@ -161,7 +160,7 @@ def interrupted_and_resumed(run_dir: Path, overrides: tuple[str, ...], kill_at: 
         killed = run_cli(run_dir, *overrides, fast=False, env={**ENV, "PYTHONPATH": pythonpath,
                                                                "KILL_AT_STEP": str(kill_at), "KILL_SIGNAL": kill_signal})
     assert not (run_dir / "summary.json").exists(), f"not interrupted before its end:\n{output(killed)}"
-    resumed = run_cli(None, f"resume={run_dir}", fast=False, process=spawns(overrides))
+    resumed = run_cli(None, f"resume={run_dir}", fast=False)
     assert resumed.returncode == 0, output(resumed)
     return killed, resumed
 
@@ -289,8 +288,7 @@ def test_every_conf_option_resumes_bit_exact_after_an_interruption(group, option
         summary = json.loads((tmp_path / "summary.json").read_text())
         assert summary["world_size"] == (2 if cfg.parallel.strategy in ("ddp", "fsdp") else 1), summary
     else:
-        resumed = run_cli(tmp_path, f"resume={whole_dir / 'checkpoints' / PERIODIC}", fast=False,
-                          process=spawns(overrides))
+        resumed = run_cli(tmp_path, f"resume={whole_dir / 'checkpoints' / PERIODIC}", fast=False)
         assert resumed.returncode == 0, output(resumed)
         assert resumed_step(resumed) == int(PERIODIC.split("-")[1])
         assert_identical(whole, final_state(tmp_path))
