@@ -300,7 +300,7 @@ RANK_PARALLEL = {"find_unused_parameters": False, "static_graph": False, "backen
 
 def start_ranks(worker: Any, args: tuple, nprocs: int = 2) -> None:
     """`worker(rank, *args)` in `nprocs` processes, waited for, as the framework starts its DDP workers
-    (framework/app/launch.py): forked from multiprocessing's forkserver, which imports torch and the framework once
+    (framework/app/launch.py): forked from multiprocessing's forkserver, which imports torch and the libraries once
     for every test of this pytest worker. A rank's failure is raised here (torch.multiprocessing's)."""
     import torch.multiprocessing as mp
 
@@ -633,6 +633,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item, tier in tiers.items():
         item.own_markers[:] = [mark for mark in item.own_markers if mark.name not in TIERS]
         item.add_marker(tier)
+    # The slow tests first (each xdist worker collects, and sorts, alike): one started last would leave a core idle
+    # while it ends the suite, where short tests are left to fill both cores.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -2,10 +2,10 @@
 
 `python run.py parallel=ddp` starts one worker per device with torch.multiprocessing (loopback rendezvous
 on a port the parent's store holds); the parent only waits. The workers fork from multiprocessing's forkserver, one
-process that imported torch and the framework once, instead of each importing them (~3.5 CPU-s a worker, every
-device at once on a node); each takes the parent's environment and console as they are when it starts, as a spawned
-one would. torch's process context watches the workers: when one fails, the
-others are terminated (SIGTERM, then SIGKILL after a grace period), so a failure never hangs the job.
+process that imported torch and the libraries a run needs once, instead of each importing them (~3.5 CPU-s a worker,
+every device at once on a node); each takes the parent's environment and console as they are when it starts, as a
+spawned one would. torch's process context watches the workers: when one fails, the others are terminated (SIGTERM,
+then SIGKILL after a grace period), so a failure never hangs the job.
 Under torchrun the environment is already set and nothing is spawned here; a cluster job of several tasks (`srun`,
 submitit) gets it from the job's own (framework/parallel/cluster.py), each task one rank.
 """
@@ -105,22 +105,21 @@ def _held_while_starting() -> list[signal.Signals]:
 
 
 # What the forkserver imports once, for every worker it forks (multiprocessing.set_forkserver_preload: a name that
-# fails to import is skipped). `__main__` is the command's script: a worker runs it again as `__mp_main__`, as a
-# spawned one does (Python 3.11's server does not preload it), so what run.py imports is named too; torch is the
-# bulk, torch._dynamo what torch imports lazily as the first optimizer is built (torch/_compile.py: ~1.5 s of a
-# worker's start), the rest what a worker runs. Nothing here starts CUDA or a Python thread: forking the server is
-# safe.
+# fails to import is skipped): the libraries a worker's run imports, torch the bulk of them, and torch._dynamo, which
+# torch imports lazily as the first optimizer is built (torch/_compile.py: ~1.5 s of a worker's start). Not the
+# framework (0.1 s): the server finds modules on its own sys.path (its working directory first, not the command's
+# script's), so it could find another copy; a worker imports it after taking the parent's sys.path. Nothing here
+# starts CUDA or a Python thread: forking the server is safe.
 PRELOAD = (
-    "__main__",
-    "framework.app.cli",
-    "framework.app.launch",
     "torch",
     "torch.distributed",
     "torch._dynamo",
-    "framework.app.stage",
-    "framework.stages.fit",
-    "framework.stages.evaluate",
-    "framework.stages.predict",
+    "torch.utils.tensorboard",
+    "hydra",
+    "omegaconf",
+    "safetensors",
+    "pyarrow",
+    "PIL.Image",
 )
 START_METHOD = "forkserver"
 
