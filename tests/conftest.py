@@ -633,9 +633,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item, tier in tiers.items():
         item.own_markers[:] = [mark for mark in item.own_markers if mark.name not in TIERS]
         item.add_marker(tier)
-    # The slow tests first (each xdist worker collects, and sorts, alike): one started last would leave a core idle
-    # while it ends the suite, where short tests are left to fill both cores.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -9,13 +9,15 @@ import os
 import shutil
 import socket
 import subprocess
+import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import ROOT, output, start_ranks
+from conftest import ROOT, TESTS, on_pythonpath, output, run_cli, run_env, start_ranks
 from safetensors.torch import load_file, save_file
 
 from framework.app.launch import _host_store
@@ -213,3 +215,88 @@ def test_the_workers_store_is_served_before_they_start_so_no_other_process_can_t
     worker = dist.TCPStore("127.0.0.1", store.port, 2, is_master=False, timeout=datetime.timedelta(seconds=30))
     worker.set("rank0/address", "here")
     assert store.get("rank0/address") == b"here"
+
+
+class ProbeTask(ClassificationTask):
+    """Classification that, at its first training step, writes what its process sees (the variable PROBE, its
+    intra-op threads) to `probe_dir`/rank<RANK>.json, and waits `sleep_s` at every step."""
+
+    def __init__(self, *args: Any, probe_dir: str = "", sleep_s: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.probe_dir, self.sleep_s = probe_dir, sleep_s
+
+    def training_step(self, batch: Any) -> StepOutput:
+        seen = Path(self.probe_dir, f"rank{os.environ.get('RANK', '0')}.json")
+        if self.probe_dir and not seen.exists():
+            seen.write_text(json.dumps({"probe": os.environ.get("PROBE"), "threads": torch.get_num_threads()}))
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        return super().training_step(batch)
+
+
+def test_workers_take_the_environment_threads_and_console_of_the_run_that_starts_them(tmp_path, monkeypatch):
+    """The workers fork from a server that the first DDP run of this process started, with that moment's
+    environment and stdout: a later run's workers see the later run's variables and OMP_NUM_THREADS, and print its
+    summary where it is captured now."""
+    for probe, threads in (("first", "1"), ("second", "2")):
+        monkeypatch.setenv("PROBE", probe)
+        monkeypatch.setenv("OMP_NUM_THREADS", threads)
+        probes = tmp_path / probe
+        probes.mkdir()
+        proc = run_cli(tmp_path / f"run-{probe}", *QUICK, "parallel=ddp", "parallel.devices=2",
+                       "task._target_=test_parallel.ProbeTask", f"+task.probe_dir={probes}", env={"PYTHONPATH": str(TESTS)})
+        assert proc.returncode == 0, output(proc)
+        assert proc.stdout.count("Done in") == 1 and f"Run directory: {tmp_path / f'run-{probe}'}" in proc.stdout
+        seen = [json.loads((probes / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+        assert seen == [{"probe": probe, "threads": int(threads)}] * 2, seen
+
+
+def _ddp_job(tmp_path: Path, run: Path) -> subprocess.Popen:
+    """`python run.py parallel=ddp` of slow steps, as a scheduler starts a job: a process group of its own."""
+    args = [sys.executable, str(ROOT / "run.py"), f"hydra.run.dir={run}", "logger.progress_bar=false",
+            "parallel=ddp", "parallel.devices=2", "trainer.max_epochs=-1", "trainer.max_steps=3000",
+            "trainer.test=false", "task._target_=test_parallel.ProbeTask", f"+task.probe_dir={tmp_path}",
+            "+task.sleep_s=0.01"]
+    return subprocess.Popen(args, cwd=ROOT, env={**run_env(), "PYTHONPATH": on_pythonpath(TESTS)}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _training(tmp_path: Path, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"rank{rank}.json").exists() for rank in (0, 1)) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
+def test_a_signal_to_every_process_of_the_job_stops_a_ddp_run_once_with_last_saved(tmp_path, sig):
+    """SLURM signals every process of a job step at once (the time limit's SIGTERM, `--signal=USR1`), as a
+    terminal's Ctrl-C reaches its whole foreground group. Each worker has a session of its own, as torchrun's do, so
+    only the parent gets it and forwards it once: before, a worker got it twice (from the kernel and its parent) and
+    took the second for "abort", leaving no `last`; and the forkserver it forked from must not end either."""
+    run = tmp_path / "run"
+    proc = _ddp_job(tmp_path, run)
+    _training(tmp_path, proc)
+    os.killpg(proc.pid, getattr(signal, sig))
+    text = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 128 + getattr(signal, sig), text
+    assert text.count(f"Stopped by {sig} at step") == 1, text
+    assert (run / "checkpoints" / "last" / "meta.json").is_file(), text
+
+
+def test_workers_whose_parent_is_killed_save_last_and_end(tmp_path):
+    """In sessions of their own, the workers no longer die with the parent's process group: when the parent ends
+    first (SIGKILLed, or its terminal gone), they stop as on SIGTERM, saving `last`, instead of training on."""
+    run = tmp_path / "run"
+    proc = _ddp_job(tmp_path, run)
+    _training(tmp_path, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    meta = run / "checkpoints" / "last" / "meta.json"
+    deadline = time.monotonic() + 60
+    while not meta.is_file() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert meta.is_file(), (run / "run.log").read_text()
+    step = json.loads(meta.read_text())["step"]
+    assert 0 < step < 3000
+    assert "Received SIGTERM: finishing this step, then saving checkpoints/last" in (run / "run.log").read_text()

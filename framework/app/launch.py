@@ -15,9 +15,12 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import select
 import signal
 import socket
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Optional
@@ -220,7 +223,7 @@ def _start(nprocs: int, args: tuple[Any, ...]) -> Any:
     mp.get_context(START_METHOD).set_forkserver_preload(list(PRELOAD))  # read as the server starts: once a process
     startup_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _held_while_starting())
     try:
-        given = (*args, dict(os.environ), _Console())
+        given = (*args, dict(os.environ), _Console(), os.getpid())
         return mp.start_processes(_worker, args=given, nprocs=nprocs, join=False, start_method=START_METHOD)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, startup_mask)
@@ -263,6 +266,36 @@ def _configure_logging(rank: int, run_dir: Path) -> None:
     root.setLevel(logging.INFO if rank == 0 else logging.ERROR)
 
 
+def _watch_parent(pid: int) -> None:
+    """In the worker: once process `pid` (its parent) has ended while it still runs (SIGKILLed, its terminal gone),
+    send this process SIGTERM: the ranks stop after the same step and save `last`, instead of training on, orphans
+    in sessions of their own. Watched on a daemon thread, through a pidfd where Linux has one, else polled."""
+    try:
+        handle: Optional[int] = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd here, or the parent is gone already (then the poll sees it)
+        handle = None
+
+    def watch() -> None:
+        if handle is not None:
+            select.select([handle], [], [])
+        else:
+            while _alive(pid):
+                time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process of that number: ours has ended
+        return False
+    return True
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -275,7 +308,12 @@ def _worker(
     errors: Any,
     environment: dict[str, str],
     console: _Console,
+    parent: int,
 ) -> None:
+    # A session of its own, as torchrun starts its workers: a signal to the job's process group (a scheduler's stop
+    # or `--signal`, a terminal's Ctrl-C) reaches the parent alone, which forwards it once; a worker sent it by both
+    # would take the second for "abort" and save nothing. Its parent's end no longer ends it: _watch_parent.
+    os.setsid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent forwards Ctrl-C as SIGTERM, once
     os.environ.clear()
     os.environ.update(environment)
@@ -284,6 +322,7 @@ def _worker(
 
     LATCH.install()  # then let in what was sent while this process started (spawn blocked it): held for the loop
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _held_while_starting())
+    _watch_parent(parent)
     # A worker inherits the parent's default start method (multiprocessing.spawn.prepare): "spawn" where a program
     # set it, and its DataLoader workers would each start a fresh interpreter and import torch again (~1.5 s, every
     # epoch without persistent workers). Back to the platform's default, as a process torchrun started has.
