@@ -289,9 +289,7 @@ def _watch_parent(pid: int) -> None:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process of that number: ours has ended
+    except (ProcessLookupError, PermissionError):  # gone, or its number now another user's process
         return False
     return True
 
@@ -320,7 +318,7 @@ def _worker(
     console.take()
     from framework.core.signals import LATCH
 
-    LATCH.install()  # then let in what was sent while this process started (spawn blocked it): held for the loop
+    LATCH.install()  # then let in what was sent while this process started (_start blocked it): held for the loop
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _held_while_starting())
     _watch_parent(parent)
     # A worker inherits the parent's default start method (multiprocessing.spawn.prepare): "spawn" where a program

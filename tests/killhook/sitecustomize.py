@@ -3,8 +3,8 @@
 Python's `site` imports `sitecustomize` at interpreter start-up from the first sys.path entry that has
 one, so a test puts this folder on PYTHONPATH for the one run it wants interrupted (and, through the
 inherited environment, for that run's DDP workers: torchrun's start an interpreter each, and the framework's fork
-from a forkserver that started one, so what this installs must read the rank when it acts, not when it loads). Nothing else in the environment has a
-`sitecustomize` (test_resume_matrix checks), so none is shadowed. Without $KILL_AT_STEP it does nothing,
+from a forkserver that started one, so what this installs reads the rank when it acts, not when it loads). Nothing
+else in the environment has a `sitecustomize` (test_resume_matrix checks), so none is shadowed. Without $KILL_AT_STEP it does nothing,
 not even import torch.
 
 With $KILL_AT_STEP=N and $KILL_SIGNAL=SIGTERM|SIGKILL, torch's global optimizer-step post hook counts the
