@@ -63,6 +63,7 @@ def main() -> None:
         from framework.stages.export import main as export
 
         sys.exit(export(sys.argv[2:]))
+    resume.new_invocation()  # a command decides its `.hydra/` subdirs afresh (one process may run several)
     if not any(arg in ("-m", "--multirun") for arg in sys.argv[1:]):  # a sweep's parent trains nothing itself
         signals.LATCH.install()  # a cluster's signal while the run starts is held for its training loop
     startup.pause_collector()  # until the run is built (framework/core/startup.py)
