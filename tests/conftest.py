@@ -47,18 +47,19 @@ def run_cli(run_dir: Path | None, *overrides: str, timeout: float = 180, env: di
             fast: bool = True, process: bool = False) -> subprocess.CompletedProcess:
     """`python run.py OVERRIDES` as a user runs it, with its run directory at `run_dir` (None: let the config choose,
     as for resume=RUN_DIR), as a finished process: returncode, stdout (the closing summary) and stderr (the rest, an
-    error line last). In this process, through the Python API (framework.app.api), unless the run needs a process of
-    its own: environment variables to set (a kill hook, a tracker's; not a PYTHONPATH alone, whose folders a run in
-    this process imports from meanwhile), a multirun, the command line's own options (--cfg, -cd), or
-    `process=True` where the process is what the test looks at (its argv, Hydra's logging set-up, a lock another
-    process holds). DDP and FSDP runs start their workers from here, as a Python program's would."""
+    error line last). In this process: through the Python API (framework.app.api), or where the command line's own
+    options are given (`-m`, `--cfg`, `-cd`) through its entry point (run_command_in_process); unless the run needs a
+    process of its own: environment variables to set (a kill hook, a tracker's; not a PYTHONPATH alone, whose folders
+    a run in this process imports from meanwhile), or `process=True` where the process is what the test looks at (its
+    argv, Hydra's logging set-up, a lock another process holds, a signal). DDP and FSDP runs start their workers from
+    here, as a Python program's would."""
     where = [f"hydra.run.dir={run_dir}"] if run_dir is not None else []
     args = [*where, *(FAST if fast else ()), *overrides]
     folders = _pythonpath_alone(env) if env is not None else []
-    if process or any(_needs_a_process(arg) for arg in args) or folders is None:
+    if process or folders is None:
         return run_process([sys.executable, str(ROOT / "run.py"), *args], env=env, timeout=timeout)
     with _importing_from(folders):
-        return run_in_process(args)
+        return run_command_in_process(args) if any(arg.startswith("-") for arg in args) else run_in_process(args)
 
 
 def _pythonpath_alone(env: dict[str, str]) -> list[str] | None:
@@ -95,10 +96,6 @@ def _importing_from(folders: list[str]) -> Iterator[None]:
             where = getattr(module, "__file__", None)
             if where and any(Path(where).resolve().is_relative_to(root) for root in roots):
                 del sys.modules[name]
-
-
-def _needs_a_process(arg: str) -> bool:
-    return arg.startswith("-")
 
 
 def run_in_process(args: list[str]) -> subprocess.CompletedProcess:
@@ -141,6 +138,63 @@ def run_in_process(args: list[str]) -> subprocess.CompletedProcess:
             stream.seek(0)
             texts.append(stream.read())
     return subprocess.CompletedProcess(["run.py", *args], code, *texts)
+
+
+def run_command_in_process(args: list[str]) -> subprocess.CompletedProcess:
+    """`python run.py ARGS` through the command line's own entry point (framework.app.cli.main) in this process, as
+    an application's tests call its main: sys.argv set, the exit code from its SystemExit, stdout and stderr (file
+    descriptors and Python's streams) captured. For what the command line itself does, such as a sweep (`-m`) and its
+    summary, where the process is not what the test looks at (a signal, a kill, the environment are). Afterwards this
+    process's logging is as it was (Hydra configures the command's), and so are its environment variables (the
+    command sets some for itself: HYDRA_FULL_ERROR, a cluster's ranks), sys.argv, sys.path and Hydra's global
+    state."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from framework.app import cli
+
+    saved_argv, saved_path, saved_env = sys.argv[:], sys.path[:], dict(os.environ)
+    with tempfile.TemporaryFile("a+") as out, tempfile.TemporaryFile("a+") as err, _logging_kept():
+        code = 0
+        sys.argv = [str(ROOT / "run.py"), *args]
+        try:
+            with _console_to(out, err), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                    contextlib.chdir(ROOT):
+                cli.main()
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+        finally:
+            sys.argv, sys.path[:] = saved_argv, saved_path
+            os.environ.clear()
+            os.environ.update(saved_env)
+            GlobalHydra.instance().clear()
+        texts = []
+        for stream in (out, err):
+            stream.flush()
+            stream.seek(0)
+            texts.append(stream.read())
+    return subprocess.CompletedProcess(["run.py", *args], code, *texts)
+
+
+@contextlib.contextmanager
+def _logging_kept() -> Iterator[None]:
+    """Every logger's handlers, level, propagation and disabled flag put back as they were (Hydra's dictConfig of a
+    command's logging replaces them); loggers made meanwhile emptied."""
+    manager = logging.Logger.manager
+    loggers = [logging.root, *(lg for lg in manager.loggerDict.values() if isinstance(lg, logging.Logger))]
+    saved = {id(lg): (lg, lg.handlers[:], lg.level, lg.propagate, lg.disabled) for lg in loggers}
+    try:
+        yield
+    finally:
+        for lg in [logging.root, *(lg for lg in manager.loggerDict.values() if isinstance(lg, logging.Logger))]:
+            if id(lg) in saved:
+                _, handlers, level, propagate, disabled = saved[id(lg)]
+            else:
+                handlers, level, propagate, disabled = [], logging.NOTSET, True, False
+            for handler in lg.handlers:
+                if handler not in handlers:
+                    handler.close()
+            lg.handlers[:], lg.propagate, lg.disabled = handlers, propagate, disabled
+            lg.setLevel(level)
 
 
 @contextlib.contextmanager

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import csv
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, output, run_process
+from conftest import output, run_cli
 from torch.utils.data import Dataset, IterableDataset, Subset, TensorDataset
 
 from framework.core.errors import ConfigError
@@ -175,9 +174,9 @@ def test_a_sweep_over_lr_and_fold_gets_one_mean_and_std_row_per_lr(tmp_path, cap
 @pytest.mark.e2e
 def test_a_fold_sweep_runs_each_fold_as_a_job_records_its_samples_and_summarises_them(tmp_path):
     sweep_dir = tmp_path / "sweep"
-    proc = run_process([sys.executable, str(ROOT / "run.py"), "-m", f"hydra.sweep.dir={sweep_dir}",
-                        "logger.progress_bar=false", "trainer.max_epochs=1", "trainer.limit_train_batches=2",
-                        "checkpoint=none", "trainer.test=false", "data.folds=2", "data.fold=range(2)"])
+    proc = run_cli(None, "-m", f"hydra.sweep.dir={sweep_dir}", "logger.progress_bar=false", "trainer.max_epochs=1",
+                   "trainer.limit_train_batches=2", "checkpoint=none", "trainer.test=false", "data.folds=2",
+                   "data.fold=range(2)", fast=False)
     assert proc.returncode == 0, output(proc)
     records = [json.loads((sweep_dir / f"{i}_data.fold={i}" / folds.RECORD).read_text()) for i in range(2)]
     assert sorted(i for r in records for i in r["val"]) == list(range(1257))  # digits' train split, each once

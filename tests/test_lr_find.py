@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 
 import pytest
 import torch
-from conftest import ROOT, output, read_scalars, run_cli, run_process
+from conftest import output, read_scalars, run_cli
 
 from framework.core.errors import ConfigError
 from framework.stages import lr_find, lr_plot
@@ -142,7 +141,7 @@ def test_without_matplotlib_pillow_draws_the_plot(tmp_path):
 
 @pytest.mark.e2e
 def test_lr_find_prints_an_override_in_the_good_range_and_a_run_at_it_reaches_97_percent(tmp_path):
-    found = run_process([sys.executable, str(ROOT / "run.py"), "lr_find", f"hydra.run.dir={tmp_path / 'find'}"])
+    found = run_cli(tmp_path / "find", "lr_find", fast=False)
     assert found.returncode == 0, output(found)
     line = re.search(r"^optimizer\.lr=(\S+)$", found.stdout, re.MULTILINE)
     assert line, output(found)

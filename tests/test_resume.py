@@ -9,13 +9,11 @@ import multiprocessing
 import os
 import shutil
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import (
-    ROOT,
     TESTS,
     assert_identical,
     final_state,
@@ -25,7 +23,6 @@ from conftest import (
     read_scalars,
     run_cli,
     run_export,
-    run_process,
     saved_config,
 )
 
@@ -199,8 +196,8 @@ def test_a_config_file_of_the_users_own_comes_back_from_the_checkpoint(tmp_path)
     (extra / "tiny.yaml").write_text("_target_: framework.zoo.models.MLP\ninput_shape: ${data.input_shape}\n"
                                      "num_classes: ${data.num_classes}\nhidden: [16]\n")
     run_dir = tmp_path / "run"
-    proc = run_process([sys.executable, str(ROOT / "run.py"), "--config-dir", str(tmp_path / "myconf"),
-                        f"hydra.run.dir={run_dir}", "model=tiny", "logger.progress_bar=false", *SHORT])
+    proc = run_cli(run_dir, "--config-dir", str(tmp_path / "myconf"), "model=tiny", "logger.progress_bar=false", *SHORT,
+                   fast=False)
     assert proc.returncode == 0, output(proc)
     proc = run_cli(None, f"resume={run_dir}", "trainer.max_steps=16", fast=False)  # no --config-dir this time
     assert proc.returncode == 0, output(proc)

@@ -97,9 +97,8 @@ def test_the_ema_weights_are_evaluated_where_the_runs_ema_evaluated_them(ema_run
 
 
 def test_a_sweep_over_checkpoints_writes_one_row_each(trained, tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", "test", f"hydra.sweep.dir={tmp_path / 's'}",
-                           f"ckpt={trained / 'checkpoints' / 'best'},{trained / 'checkpoints' / 'last'}", *QUIET],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_cli(None, "-m", "test", f"hydra.sweep.dir={tmp_path / 's'}",
+                   f"ckpt={trained / 'checkpoints' / 'best'},{trained / 'checkpoints' / 'last'}", *QUIET, fast=False)
     assert proc.returncode == 0, output(proc)
     rows = list(csv.DictReader((tmp_path / "s" / "summary.csv").open()))
     assert len(rows) == 2 and all(row["status"] == "ok" for row in rows), rows

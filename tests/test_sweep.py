@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-from conftest import ROOT, output, run_process
+from conftest import ROOT, output, run_cli, run_command_in_process, run_process
 
 from framework.loop.view import RunView
 from framework.task.classification import ClassificationTask
@@ -32,8 +32,10 @@ QUICK = ("logger.progress_bar=false", "trainer.max_epochs=1", "trainer.limit_tra
 
 def sweep(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None, timeout: float = 300):
     sweep_dir = tmp_path / "sweep"
-    args = [sys.executable, str(ROOT / "run.py"), "-m", f"hydra.sweep.dir={sweep_dir}", *QUICK, *overrides]
-    return run_process(args, env=env, timeout=timeout), sweep_dir
+    args = ["-m", f"hydra.sweep.dir={sweep_dir}", *QUICK, *overrides]
+    if env is None:
+        return run_command_in_process(args), sweep_dir
+    return run_process([sys.executable, str(ROOT / "run.py"), *args], env=env, timeout=timeout), sweep_dir
 
 
 def rows(sweep_dir: Path) -> list[dict[str, str]]:
@@ -391,8 +393,7 @@ def test_a_sweep_from_a_checkpoint_records_each_new_jobs_overrides(tmp_path):
     """-m resume=RUN_DIR optimizer.lr=a,b: new runs from the checkpoint, each in its own job directory, whose
     .hydra/ is its own (the table's swept column comes from it); RUN_DIR itself is untouched."""
     trained = tmp_path / "trained"
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), f"hydra.run.dir={trained}", *QUICK,
-                           "checkpoint=default"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_cli(trained, *QUICK, "checkpoint=default", fast=False)
     assert proc.returncode == 0, output(proc)
     before = snapshot(trained)
     proc, sweep_dir = sweep(tmp_path, f"resume={trained}", "optimizer.lr=0.05,0.1",
@@ -543,9 +544,7 @@ def test_an_optuna_sweep_that_would_seek_the_worst_run_is_refused_before_any_job
 
 
 def test_slurm_launcher_preset_composes(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "hydra/launcher=slurm",
-                           "hydra.launcher.partition=gpu", "--cfg", "hydra"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = run_cli(None, "hydra/launcher=slurm", "hydra.launcher.partition=gpu", "--cfg", "hydra", fast=False)
     assert proc.returncode == 0, output(proc)
     assert "SlurmLauncher" in proc.stdout and "partition: gpu" in proc.stdout
 
