@@ -298,12 +298,16 @@ def test_a_sweep_over_models_keeps_its_jobs_in_one_default_sweep_directory(tmp_p
     (("optimizer.lrr=0.1,0.2",), "optimizer.lrr=0.1,0.2: optimizer has no key 'lrr'"),
     (("model=cnnn,mlp",), "model=cnnn,mlp: no such option in group 'model'"),
     (("+trainer.max_epoch=1", "optimizer.lr=0.1,0.2"), "trainer.max_epoch=1: trainer has no key 'max_epoch'; "
-                                                        "did you mean 'trainer.max_epochs'?")],
-    ids=["swept-key", "swept-option", "lightning-key-for-every-job"])
+                                                        "did you mean 'trainer.max_epochs'?"),
+    (("optimizer.lr=0.1,0.2", "checkpoint=default", "checkpoint.remote=file:///tmp/htf-never-written/shared"),
+     "checkpoint.remote='file:///tmp/htf-never-written/shared': every job of this sweep would keep its checkpoints "
+     "at this one prefix")],
+    ids=["swept-key", "swept-option", "lightning-key-for-every-job", "one-remote-prefix-for-every-job"])
 def test_a_mistake_in_a_sweep_is_one_line_before_any_job_and_leaves_no_sweep_directory(tmp_path, overrides, said):
     """Hydra's sweeper saves multirun.yaml in a new sweep directory before it composes the first job, which finds
     a swept mistake: the directory held only that file. A `+key` the framework's groups lack, given to every job,
-    failed each job alike (on SLURM, each submitted only to fail)."""
+    failed each job alike (on SLURM, each submitted only to fail). One checkpoint.remote prefix for every job had
+    each job after the first refused there, or, with jobs running at once, publishing over the others'."""
     proc, sweep_dir = sweep(tmp_path, *overrides)
     assert proc.returncode == 1 and "Traceback" not in output(proc), output(proc)
     lines = [line for line in output(proc).splitlines() if line.strip()]
@@ -380,6 +384,21 @@ def test_a_metric_only_some_jobs_recorded_is_a_column_with_empty_cells_for_the_o
     assert printed[2].split() == ["job", "lr", "val/loss", "val/acc_best", "best/val/loss", "test/acc", "status",
                                   "seconds"]
     assert printed[3].split() == ["1_lr=0.2", "0.2", "0.2500", "0.2500", "0.5000", "ok", "2.0000"]  # no val/acc_best
+
+
+def test_a_sweep_whose_remote_names_the_job_keeps_each_jobs_checkpoints_at_its_own_prefix(tmp_path):
+    from framework.checkpoint.upload import manifests
+    from framework.core.stores import open_store
+
+    remote = f"file://{tmp_path / 'remote'}"
+    proc, sweep_dir = sweep(tmp_path, "optimizer.lr=0.05,0.1", "checkpoint=default",
+                            f"checkpoint.remote='{remote}/${{hydra:job.num}}'")
+    assert proc.returncode == 0 and "Sweep summary (2 jobs" in proc.stdout, output(proc)
+    assert [row["status"] for row in rows(sweep_dir)] == ["ok", "ok"]
+    for num, job in enumerate(job_dirs(sweep_dir)):
+        published = manifests(open_store("checkpoint.remote", f"{remote}/{num}", {}))
+        local = {p.name for p in (job / "checkpoints").iterdir() if p.is_dir() and not p.is_symlink()}
+        assert published and set(published) <= local, (published, local)
 
 
 def test_a_dry_run_sweep_builds_every_job_and_succeeds(tmp_path):

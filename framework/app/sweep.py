@@ -136,7 +136,8 @@ def sweep_keys(config: DictConfig) -> set[str]:
     """In the multirun's own process: the keys its command line and its search space give more than one value.
     Optuna draws from `data.batch_size=32,64` and writes no multirun.yaml; its trials may all draw 64."""
     hydra_cfg = config.hydra
-    return _swept_by([str(o) for o in hydra_cfg.overrides.task] + _search_space(hydra_cfg)) or set()
+    typed = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)  # as typed: `${hydra:job.num}` kept
+    return _swept_by([str(o) for o in cast(list, typed)] + _search_space(hydra_cfg)) or set()
 
 
 def sweep_subdir(*, _root_: DictConfig) -> str:
@@ -391,6 +392,29 @@ def check_direction(config: DictConfig) -> None:
         )
 
 
+# What differs from one job of a sweep to the next, as a config value may name it.
+_PER_JOB = ("hydra:job.num", "hydra:job.id", "hydra:job.override_dirname", "hydra:runtime.output_dir")
+
+
+def check_remote_per_job(config: DictConfig) -> None:
+    """A sweep's jobs that train must each keep checkpoint.remote at a prefix of their own: one prefix for all had
+    each new job refused there (it holds the first job's checkpoints), or, where jobs start at once (joblib,
+    SLURM), had them publish over each other's. Its own where the key is swept, or its value names the job
+    (`${hydra:job.num}`, ...) or a key the sweep varies; anything else may be the same for every job, so it is
+    refused before any job starts."""
+    remote = cast(dict, OmegaConf.to_container(config.checkpoint, resolve=False)).get("remote")  # as typed
+    swept = sweep_keys(config)
+    if not remote or config.get("stage", "fit") != "fit" or not swept or "checkpoint.remote" in swept:
+        return
+    if any(name in str(remote) for name in _PER_JOB) or any(f"{key}}}" in str(remote) for key in swept):
+        return
+    raise ConfigError(
+        f"checkpoint.remote={remote!r}: every job of this sweep would keep its checkpoints at this one prefix, where "
+        f"each would replace the one's before; expected a prefix per job, such as "
+        f"checkpoint.remote='{str(remote).rstrip('/')}/${{hydra:job.num}}'"
+    )
+
+
 def _as_override(key: str, value: str) -> Optional[str]:
     """`key=value` as override text that Hydra's parser reads back as exactly `value`; None if no quoting does."""
     if "${" in value:  # would be composed as an interpolation
@@ -499,6 +523,7 @@ class SweepSummary(Callback):
         signals.LATCH.release()  # the sweep's own process trains nothing: a signal takes its handler's action now
         try:
             check_direction(config)
+            check_remote_per_job(config)
             # A key the framework's groups do not have, given to every job (`+trainer.max_epoch=1`), fails every
             # job alike: say so once, before any starts (or, on SLURM, is submitted).
             check_closed_keys(
