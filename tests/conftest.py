@@ -132,12 +132,7 @@ def run_in_process(args: list[str]) -> subprocess.CompletedProcess:
         finally:
             root.removeHandler(console)
             summary_log.removeHandler(summary)
-        texts = []
-        for stream in (out, err):
-            stream.flush()
-            stream.seek(0)
-            texts.append(stream.read())
-    return subprocess.CompletedProcess(["run.py", *args], code, *texts)
+        return subprocess.CompletedProcess(["run.py", *args], code, _read(out), _read(err))
 
 
 def run_command_in_process(args: list[str]) -> subprocess.CompletedProcess:
@@ -167,12 +162,14 @@ def run_command_in_process(args: list[str]) -> subprocess.CompletedProcess:
             os.environ.clear()
             os.environ.update(saved_env)
             GlobalHydra.instance().clear()
-        texts = []
-        for stream in (out, err):
-            stream.flush()
-            stream.seek(0)
-            texts.append(stream.read())
-    return subprocess.CompletedProcess(["run.py", *args], code, *texts)
+        return subprocess.CompletedProcess(["run.py", *args], code, _read(out), _read(err))
+
+
+def _read(stream: Any) -> str:
+    """What a captured console's temporary file holds."""
+    stream.flush()
+    stream.seek(0)
+    return stream.read()
 
 
 @contextlib.contextmanager
