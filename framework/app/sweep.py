@@ -404,9 +404,10 @@ def check_remote_per_job(config: DictConfig) -> None:
     refused before any job starts."""
     remote = cast(dict, OmegaConf.to_container(config.checkpoint, resolve=False)).get("remote")  # as typed
     swept = sweep_keys(config)
-    if not remote or config.get("stage", "fit") != "fit" or not swept or "checkpoint.remote" in swept:
+    saves = config.get("stage", "fit") == "fit" and not config.trainer.fast_dev_run  # as main's check of the store
+    if not remote or not saves or not swept or "checkpoint.remote" in swept:
         return
-    if any(name in str(remote) for name in _PER_JOB) or any(f"{key}}}" in str(remote) for key in swept):
+    if any(name in str(remote) for name in _PER_JOB) or any(f"${{{key}}}" in str(remote) for key in swept):
         return
     raise ConfigError(
         f"checkpoint.remote={remote!r}: every job of this sweep would keep its checkpoints at this one prefix, where "
