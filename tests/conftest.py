@@ -66,9 +66,11 @@ def _pythonpath_alone(env: dict[str, str]) -> list[str] | None:
     """The folders of `env`'s PYTHONPATH that this process does not import from yet, where `env` sets nothing else
     (a test's own task or callback, in tests/ or a folder it wrote); None where the run needs a process of its own:
     other variables, a folder with a `sitecustomize` (which only a new interpreter runs), or a module whose name
-    this process has imported from elsewhere. A variable this process has already (OMP_NUM_THREADS=1, which every
-    run of the suite gets) changes nothing."""
-    env = {name: value for name, value in env.items() if os.environ.get(name) != value}
+    this process has imported from elsewhere. OMP_NUM_THREADS=1, which this process and every run of the suite
+    have (run_env), changes nothing. (Other variables this process has too, a tracker's, still take a process: the
+    test may break what they configure, as the W&B tests kill wandb's service.)"""
+    env = {name: value for name, value in env.items()
+           if not (name == "OMP_NUM_THREADS" and os.environ.get(name) == value)}
     if not env:
         return []
     if set(env) != {"PYTHONPATH"}:

@@ -7,7 +7,6 @@ import csv
 import json
 import os
 import re
-import shlex
 import shutil
 import signal
 import subprocess
@@ -233,21 +232,20 @@ def test_a_submitit_sweep_with_a_too_short_time_limit_requeues_and_finishes_ever
     env = {**os.environ, "PYTHONPATH": on_pythonpath(TESTS),
            "OMP_NUM_THREADS": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
-    # The runs never interrupted, for comparison, train while the sweep's jobs mostly sleep (one after the other:
-    # the suite runs on 2 cores).
-    wholes = subprocess.Popen(["sh", "-c", " && ".join(
-        shlex.join([sys.executable, str(ROOT / "run.py"), f"hydra.run.dir={tmp_path / f'whole-{lr}'}",
-                    f"optimizer.lr={lr}", *common, "+task.sleep_s=0"]) for lr in ("0.05", "0.1"))],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", "hydra/launcher=submitit_local",
-                               "hydra.launcher.timeout_min=1", f"hydra.sweep.dir={sweep}", "optimizer.lr=0.05,0.1",
-                               *common, "+task.sleep_s=0.015"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
-        whole_output = wholes.communicate(timeout=300)[0]
+    sweeping = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "-m", "hydra/launcher=submitit_local",
+                                 "hydra.launcher.timeout_min=1", f"hydra.sweep.dir={sweep}", "optimizer.lr=0.05,0.1",
+                                 *common, "+task.sleep_s=0.015"],
+                                cwd=ROOT, stdout=(tmp_path / "out").open("w"), stderr=(tmp_path / "err").open("w"),
+                                env=env)  # files, not pipes, which nobody reads meanwhile
+    try:  # the runs never interrupted, for comparison, train in this process while the sweep's jobs mostly sleep
+        for lr in ("0.05", "0.1"):
+            whole = run_cli(tmp_path / f"whole-{lr}", f"optimizer.lr={lr}", *common, "+task.sleep_s=0", fast=False)
+            assert whole.returncode == 0, output(whole)
+        sweeping.wait(timeout=400)
     finally:
-        wholes.kill()
-    assert wholes.returncode == 0, whole_output
+        sweeping.kill()
+    proc = subprocess.CompletedProcess(sweeping.args, sweeping.returncode, (tmp_path / "out").read_text(),
+                                       (tmp_path / "err").read_text())
     assert proc.returncode == 0, output(proc)
     rows = list(csv.DictReader((sweep / "summary.csv").open()))
     assert sorted(row["job"] for row in rows) == ["0_optimizer.lr=0.05", "1_optimizer.lr=0.1"]
@@ -294,11 +292,11 @@ def _torchrun_env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def torchrun_whole(tmp_path_factory) -> Path:
-    """An uninterrupted run of 2 DDP ranks under torchrun: what a killed and restarted one must end as."""
+    """An uninterrupted run of 2 DDP ranks, started by the framework's own launcher (from this process): what a run
+    killed and restarted under torchrun must end as: the same ranks train the same run under either launcher, which
+    the tests below show as well."""
     run_dir = tmp_path_factory.mktemp("torchrun") / "whole"
-    whole = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", str(ROOT / "run.py"),
-                            f"hydra.run.dir={run_dir}", *TORCHRUN_RUN], cwd=ROOT, capture_output=True, text=True,
-                           timeout=180, env=_torchrun_env())
+    whole = run_cli(run_dir, *TORCHRUN_RUN, "parallel.devices=2", fast=False)
     assert whole.returncode == 0, output(whole)
     return run_dir
 

@@ -139,35 +139,26 @@ def test_a_launcher_that_raises_still_leaves_the_summary_and_one_error_line(tmp_
 
 
 @pytest.mark.slow
-def test_a_submitit_job_killed_mid_sweep_is_marked_and_the_parent_collects_the_others(tmp_path):
-    """Hydra's submitit launcher waited on its jobs in order and raised at the first that produced no result: a
-    traceback, no summary.csv, and the jobs after it never collected. Job 1 is SIGKILLed once job 0 finished; job 2
-    runs beside it."""
-    proc, sweep_dir = sweep(tmp_path, "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5",
-                            "optimizer.lr=0.05,0.1,0.2", parts="1=SIGKILL")
-    text = output(proc)
-    assert proc.returncode == 1 and "Traceback" not in text, text
-    table = rows(sweep_dir)
-    assert statuses(sweep_dir) == {"0_optimizer.lr=0.05": "ok", "1_optimizer.lr=0.1": "killed",
-                                   "2_optimizer.lr=0.2": "ok"}, text
-    assert "has not produced any output" in table["1_optimizer.lr=0.1"]["error"], table
-
-
-@pytest.mark.slow
-def test_a_submitit_job_whose_time_limit_ends_it_for_good_is_recorded_and_the_others_are_collected(tmp_path):
-    """submitit's handler raises instead of requeueing a job that timed out too often (here at its first time limit,
-    max_num_timeout=0): the job's exception reached the sweeper, which raised it through the CLI, a traceback. The
-    job saved checkpoints/last and is `interrupted`, saying why it was not requeued; the other job's row is kept."""
+def test_submitit_jobs_killed_or_ended_for_good_by_their_time_limit_are_rows_and_the_parent_collects_the_others(
+        tmp_path):
+    """Two defects of Hydra's submitit launcher, in one sweep of three jobs (one wait for submitit's time limit).
+    It waited on its jobs in order and raised at the first that produced no result: a traceback, no summary.csv, and
+    the jobs after it never collected; job 1 is SIGKILLed once job 0 has finished. And submitit's handler raises
+    instead of requeueing a job that timed out too often (here at its first time limit, max_num_timeout=0): the job's
+    exception reached the sweeper, which raised it through the CLI; job 2 runs until its time limit, saves
+    checkpoints/last and is `interrupted`, saying why it was not requeued."""
     proc, sweep_dir = sweep(tmp_path, "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=1",
                             "+hydra.launcher.max_num_timeout=0", "checkpoint=default", "callbacks=none",
-                            "trainer.max_epochs=-1", "trainer.max_steps=3,100000", parts="1=slow")
+                            "trainer.max_epochs=-1", "trainer.max_steps=3,4,100000", parts="1=SIGKILL,2=slow")
     text = output(proc)
     assert proc.returncode == 1 and "Traceback" not in text, text
     table = rows(sweep_dir)
-    assert statuses(sweep_dir) == {"0_trainer.max_steps=3": "ok", "1_trainer.max_steps=100000": "interrupted"}, text
+    assert statuses(sweep_dir) == {"0_trainer.max_steps=3": "ok", "1_trainer.max_steps=4": "killed",
+                                   "2_trainer.max_steps=100000": "interrupted"}, text
+    assert "has not produced any output" in table["1_trainer.max_steps=4"]["error"], table
     assert "not requeued: UncompletedJobError: Job not requeued because: timed-out too many times" in \
-        table["1_trainer.max_steps=100000"]["error"], table
-    assert (sweep_dir / "1_trainer.max_steps=100000" / "checkpoints" / "last").is_dir()
+        table["2_trainer.max_steps=100000"]["error"], table
+    assert (sweep_dir / "2_trainer.max_steps=100000" / "checkpoints" / "last").is_dir()
 
 
 def test_ctrl_c_that_ends_a_job_of_the_basic_launcher_is_its_row_and_stops_the_sweep_with_its_summary(tmp_path):
