@@ -690,6 +690,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item, tier in tiers.items():
         item.own_markers[:] = [mark for mark in item.own_markers if mark.name not in TIERS]
         item.add_marker(tier)
+    # The modules with slow tests first (each module's tests kept together, in order, for its fixtures): under
+    # pytest-xdist the suite's longest tests then start early, and its end is short tests that share out evenly
+    # (last, a submitit sweep waiting on its time limit kept one worker busy ~60 s after the other had finished).
+    slow = {item.module for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module not in slow)
 
 
 @pytest.hookimpl(hookwrapper=True)
