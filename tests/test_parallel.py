@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from framework.app.launch import _host_store
 from framework.loop.trainer import Trainer
+from framework.loop.view import RunView
 from framework.task.classification import ClassificationTask
 from framework.task.task import StepOutput
 
@@ -218,8 +219,9 @@ def test_the_workers_store_is_served_before_they_start_so_no_other_process_can_t
 
 
 class ProbeTask(ClassificationTask):
-    """Classification that, at its first training step, writes what its process sees (the variable PROBE, its
-    intra-op threads) to `probe_dir`/rank<RANK>.json, and waits `sleep_s` at every step."""
+    """Classification that, at its first training step of the run (not pre-flight's, taken before the run watches
+    for signals), writes what its process sees (the variable PROBE, its intra-op threads) to
+    `probe_dir`/rank<RANK>.json, and waits `sleep_s` at every step."""
 
     def __init__(self, *args: Any, probe_dir: str = "", sleep_s: float = 0.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -227,7 +229,7 @@ class ProbeTask(ClassificationTask):
 
     def training_step(self, batch: Any) -> StepOutput:
         seen = Path(self.probe_dir, f"rank{os.environ.get('RANK', '0')}.json")
-        if self.probe_dir and not seen.exists():
+        if self.probe_dir and isinstance(self.trainer, RunView) and not seen.exists():
             seen.write_text(json.dumps({"probe": os.environ.get("PROBE"), "threads": torch.get_num_threads()}))
         if self.sleep_s:
             time.sleep(self.sleep_s)
