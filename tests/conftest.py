@@ -623,6 +623,7 @@ MARKERS = {
     "distributed": "process groups: DDP, FSDP, torchrun (beside unit or e2e)",
     # Measured with -n 2 on 2 shared cores: a test whose slowest case (or whose module's shared run) took 24 s or more.
     "slow": "over ~20 s on its own, with the fixtures it needs (a kill and its resume, DDP/FSDP runs, requeues)",
+    "waits": "mostly waits on a clock (a launcher's time limit), using little CPU: the suite starts it first",
 }
 # What starts a process (subprocess, os.fork: DataLoader workers, os.posix_spawn, os.system, os.exec*).
 SPAWNS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system", "os.exec"}
@@ -690,11 +691,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item, tier in tiers.items():
         item.own_markers[:] = [mark for mark in item.own_markers if mark.name not in TIERS]
         item.add_marker(tier)
-    # The modules with slow tests first (each module's tests kept together, in order, for its fixtures): under
-    # pytest-xdist the suite's longest tests then start early, and its end is short tests that share out evenly
-    # (last, a submitit sweep waiting on its time limit kept one worker busy ~60 s after the other had finished).
-    slow = {item.module for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module not in slow)
+    # The tests that mostly wait on a clock first: under pytest-xdist the other worker's tests fill their wait (last,
+    # a submitit sweep waiting on its time limit kept one worker busy ~40 s after the other had finished). Not every
+    # slow test: DDP and FSDP runs on both workers at once oversubscribe the cores (the suite took 22 s longer).
+    items.sort(key=lambda item: item.get_closest_marker("waits") is None)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -220,6 +220,7 @@ class SlowTask(ClassificationTask):
         self.sleep_s = 0.0
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 def test_a_submitit_sweep_with_a_too_short_time_limit_requeues_and_finishes_every_job_exactly(tmp_path):
     """submitit's real local executor: with timeout_min=1 it sends SIGUSR2 about 30 s into each job. Each job

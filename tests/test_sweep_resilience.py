@@ -138,6 +138,7 @@ def test_a_launcher_that_raises_still_leaves_the_summary_and_one_error_line(tmp_
                                    "2_optimizer.lr=0.2": "unfinished"}, text
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 def test_submitit_jobs_killed_or_ended_for_good_by_their_time_limit_are_rows_and_the_parent_collects_the_others(
         tmp_path):
