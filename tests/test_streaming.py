@@ -4,6 +4,7 @@ input as one ConfigError naming the shard and sample key. Worker processes: test
 from __future__ import annotations
 
 import io
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -314,17 +315,22 @@ def test_the_webdataset_presets_digits_shards_are_written_once_to_the_users_cach
 
 
 @pytest.mark.e2e
-def test_the_shard_writer_ends_a_mistake_in_one_error_line(tmp_path):
+def test_the_shard_writer_ends_a_mistake_in_one_error_line(tmp_path, capsys):
     """python -m framework.zoo.shards DIR: no DIR, or a DIR it cannot write (a file in its way), is one `Error:` line
-    naming what to fix, no traceback; a DIR it can write gets the shards and the line that trains on them."""
-    def shards(*args: str):
-        return run_process([sys.executable, "-m", "framework.zoo.shards", *args])
+    naming what to fix, no traceback (its entry point, here); a DIR it can write gets the shards and the line that
+    trains on them (the command itself)."""
+    from framework.zoo import shards as writer
 
-    assert "expected one argument, the folder to write the shards into" in one_error_line(shards())
+    def mistake(*args: str) -> str:
+        code = writer.main(list(args))
+        printed = capsys.readouterr()
+        return one_error_line(subprocess.CompletedProcess(args, code, printed.out, printed.err))
+
+    assert "expected one argument, the folder to write the shards into" in mistake()
     (tmp_path / "file").write_text("in the way")
-    line = one_error_line(shards(str(tmp_path / "file" / "shards")))
+    line = mistake(str(tmp_path / "file" / "shards"))
     assert str(tmp_path / "file") in line and "expected a folder" in line, line
-    written = shards(str(tmp_path / "ok"))
+    written = run_process([sys.executable, "-m", "framework.zoo.shards", str(tmp_path / "ok")])
     assert written.returncode == 0 and "python run.py data=webdataset" in written.stdout, output(written)
     assert (tmp_path / "ok" / "train-000000.tar").is_file() and not list((tmp_path / "ok").glob("*.tmp"))
 
