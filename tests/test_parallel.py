@@ -185,17 +185,15 @@ class ExplodingTask(ClassificationTask):
 
 @pytest.mark.slow
 def test_a_rank_that_raises_ends_every_rank_without_a_hang(tmp_path):
-    proc = _cli(tmp_path, sys.executable, str(ROOT / "run.py"), "parallel=ddp", "parallel.timeout_s=60",
-                "task._target_=test_parallel.ExplodingTask", *QUICK, timeout=120,
-                env={"PYTHONPATH": str(Path(__file__).parent)})
+    proc = run_cli(tmp_path / "run", "parallel=ddp", "parallel.timeout_s=60",
+                   "task._target_=test_parallel.ExplodingTask", *QUICK, timeout=120, env={"PYTHONPATH": str(TESTS)})
     assert proc.returncode != 0
     assert output(proc).count("boom on rank 1") >= 1 and "Done in" not in output(proc)
 
 
 @pytest.mark.slow
 def test_a_config_error_under_ddp_is_printed_once_without_traceback(tmp_path):
-    proc = _cli(tmp_path, sys.executable, str(ROOT / "run.py"), "parallel=ddp", "+optimizer.momentm=0.9", *QUICK,
-                timeout=120)
+    proc = run_cli(tmp_path / "run", "parallel=ddp", "+optimizer.momentm=0.9", *QUICK, timeout=120)
     assert proc.returncode == 1
     assert output(proc).count("Error:") == 1 and "momentm" in output(proc) and "Traceback" not in output(proc)
 
