@@ -88,10 +88,14 @@ def test_several_devices_per_task_are_refused(tmp_path):
 
 
 class RankFailingTask(ClassificationTask):
-    """Raises at its first training step on the rank $FAIL_RANK names."""
+    """Raises at its first training step on the rank `fail_rank` names (-1: none)."""
+
+    def __init__(self, *args: Any, fail_rank: int = -1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fail_rank = fail_rank
 
     def training_step(self, batch: Any) -> StepOutput:
-        if os.environ.get("RANK") == os.environ.get("FAIL_RANK"):
+        if os.environ.get("RANK") == str(self.fail_rank):
             raise RuntimeError(f"boom on rank {os.environ['RANK']}")
         return super().training_step(batch)
 
@@ -109,29 +113,22 @@ def _submitit_sweep(tmp_path: Path, *overrides: str, env: dict[str, str] | None 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_submitit_job_of_two_tasks_trains_one_run_at_world_size_two(tmp_path):
-    """Before: task 1 trained alone at world size 1, task 0 was refused by the lock, and summary.csv said ok."""
-    proc, sweep_dir, rows = _submitit_sweep(tmp_path)
-    assert proc.returncode == 0, output(proc)
-    assert [(row["job"], row["status"]) for row in rows] == [("0", "ok")], rows
-    (job_dir,) = [p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
+def test_a_submitit_job_of_two_tasks_trains_one_run_at_world_size_two_and_fails_when_one_task_fails(tmp_path):
+    """Before: task 1 trained alone at world size 1, task 0 was refused by the lock, and summary.csv said ok. Job 0
+    trains one run of both tasks; in job 1, task 1 raises at its first step: that job is failed, with task 1's
+    error, never ok (one sweep of both jobs: each sweep's tasks start three processes)."""
+    proc, sweep_dir, rows = _submitit_sweep(tmp_path, "task._target_=test_cluster_ranks.RankFailingTask",
+                                            "+task.fail_rank=-1,1", env={"PYTHONPATH": on_pythonpath(ROOT, TESTS)})
+    assert proc.returncode == 1, output(proc)
+    assert [row["status"] for row in rows] == ["ok", "failed"], rows
+    assert "RankFailed: rank 1: task: RankFailingTask.training_step" in rows[1]["error"], rows
+    (job_dir,) = [p for p in sweep_dir.iterdir() if p.is_dir() and p.name.startswith("0")]
     summary = json.loads((job_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["hosts"] == [socket.gethostname()] * 2
     record = json.loads((job_dir / "provenance.json").read_text())
     assert record["ranks_from"] == "submitit-local"
     assert (record["job"]["launcher"], record["job"]["world_size"]) == ("submitit-local", 2)
     assert sorted(p.name for p in (job_dir / ".hydra").iterdir()) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_a_submitit_job_whose_task_fails_is_failed(tmp_path):
-    """Task 1 raises at its first step: the job is failed, with task 1's error, never ok."""
-    proc, _, rows = _submitit_sweep(tmp_path, "task._target_=test_cluster_ranks.RankFailingTask",
-                                    env={"FAIL_RANK": "1", "PYTHONPATH": on_pythonpath(ROOT, TESTS)})
-    assert proc.returncode == 1, output(proc)
-    assert [(row["job"], row["status"]) for row in rows] == [("0", "failed")], rows
-    assert "RankFailed: rank 1: task: RankFailingTask.training_step" in rows[0]["error"], rows
 
 
 # ------------------------------------------------------------------------------------------------- derivation

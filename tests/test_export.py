@@ -14,7 +14,7 @@ import numpy as np
 import onnxruntime
 import pytest
 import torch
-from conftest import ROOT, TESTS, make_mnist, on_pythonpath, output, run_cli, run_export
+from conftest import TESTS, make_mnist, on_pythonpath, output, run_cli, run_export
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 

@@ -201,18 +201,15 @@ def test_a_predict_killed_midway_and_run_again_keeps_its_chunks_and_ends_with_th
               "trainer.predict_chunk_rows=200")
     env = {**os.environ, "PYTHONPATH": on_pythonpath(TESTS), "OMP_NUM_THREADS": "1"}
 
-    def predict(run_dir: Path, kill_at: int) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(ROOT / "run.py"), "predict", f"hydra.run.dir={run_dir}", *QUIET,
-                               *common], cwd=ROOT, capture_output=True, text=True, timeout=180,
-                              env={**env, "KILL_AT_PREDICT_BATCH": str(kill_at)})
-
-    whole = predict(tmp_path / "whole", -1)
+    whole = stage("predict", tmp_path / "whole", *common)  # in this process: no kill
     assert whole.returncode == 0, output(whole)
-    killed = predict(tmp_path / "run", 9)
+    killed = subprocess.run([sys.executable, str(ROOT / "run.py"), "predict", f"hydra.run.dir={tmp_path / 'run'}",
+                             *QUIET, *common], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                            env={**env, "KILL_AT_PREDICT_BATCH": "9"})
     assert killed.returncode == -9, output(killed)
     kept = sorted((tmp_path / "run" / "predictions.parquet.parts").glob("*.arrow"))
     assert len(kept) >= 2, kept  # whole chunks of 200 rows were on disk before the kill at row 900
-    again = predict(tmp_path / "run", -1)
+    again = stage("predict", tmp_path / "run", *common)
     assert again.returncode == 0, output(again)
     assert (tmp_path / "run" / "predictions.parquet").read_bytes() == (
         tmp_path / "whole" / "predictions.parquet").read_bytes()

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-from conftest import ROOT, output, run_cli, run_command_in_process, run_process
+from conftest import ROOT, output, run_cli
 
 from framework.loop.view import RunView
 from framework.task.classification import ClassificationTask
@@ -31,11 +31,11 @@ QUICK = ("logger.progress_bar=false", "trainer.max_epochs=1", "trainer.limit_tra
 
 
 def sweep(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None, timeout: float = 300):
+    """`run.py -m` of the QUICK overrides and `overrides`: in this process, unless `env` needs a process of its
+    own (conftest.run_cli decides)."""
     sweep_dir = tmp_path / "sweep"
-    args = ["-m", f"hydra.sweep.dir={sweep_dir}", *QUICK, *overrides]
-    if env is None:
-        return run_command_in_process(args), sweep_dir
-    return run_process([sys.executable, str(ROOT / "run.py"), *args], env=env, timeout=timeout), sweep_dir
+    return run_cli(None, "-m", f"hydra.sweep.dir={sweep_dir}", *QUICK, *overrides, env=env, fast=False,
+                   timeout=timeout), sweep_dir
 
 
 def rows(sweep_dir: Path) -> list[dict[str, str]]:

@@ -378,7 +378,7 @@ def test_run_py_killed_and_resumed_is_one_mlflow_run_with_one_point_per_step(tmp
     killed = run_cli(run_dir, *chosen, env=kill)
     assert killed.returncode != 0, output(killed)
     run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]["run_id"]
-    resumed = run_cli(None, f"resume={run_dir}", env={"MLFLOW_DISABLE_TELEMETRY": "true"})
+    resumed = run_cli(None, f"resume={run_dir}")
     assert resumed.returncode == 0, output(resumed)
     assert json.loads((run_dir / "trackers.json").read_text())["mlflow"]["run_id"] == run_id
     loss = mlflow_series(store, run_id, "train/loss")
@@ -395,8 +395,7 @@ def test_a_multirun_is_one_mlflow_parent_run_with_a_child_per_job(tmp_path, stor
     sweep_dir = tmp_path / "sweep"
     proc = run_cli(None, "-m", "optimizer.lr=0.01,0.1", "logger=[tensorboard,mlflow]",
                    f"logger.mlflow.tracking_uri={store}", f"hydra.sweep.dir={sweep_dir}", "trainer.max_epochs=1",
-                   "trainer.limit_train_batches=2", "logger.progress_bar=false", fast=False,
-                   env={"MLFLOW_DISABLE_TELEMETRY": "true"})
+                   "trainer.limit_train_batches=2", "logger.progress_bar=false", fast=False)
     assert proc.returncode == 0, output(proc)
     client = MlflowClient(tracking_uri=store)
     parent_id = json.loads((sweep_dir / "trackers.json").read_text())["mlflow_parent"]["run_id"]
