@@ -1,9 +1,9 @@
 """Preemption and requeue with the real engines: SLURM's signal and `scontrol requeue` (a stand-in `scontrol` on
-PATH that records its arguments), Hydra's submitit launcher with submitit's real local executor, and a requeued
-job continuing in the directory it had, ending bit-identical to a job never interrupted."""
+PATH that records its arguments), torchrun's restarts, and a requeued job continuing in the directory it had, ending
+bit-identical to a job never interrupted. (Hydra's submitit launcher requeueing on submitit's real local executor:
+test_sweep_resilience.py, beside the sweep whose jobs its time limit ends for good.)"""
 from __future__ import annotations
 
-import csv
 import json
 import os
 import re
@@ -41,9 +41,16 @@ def scontrol(tmp_path: Path) -> tuple[dict[str, str], Path]:
     return env, calls
 
 
+def in_the_job(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    """This process in a SLURM job's environment (the scontrol fixture's), for a run of the job started here."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["single", pytest.param("ddp", marks=pytest.mark.distributed)])
-def test_sbatch_job_signalled_saves_requeues_once_and_continues_in_its_own_directory(tmp_path, scontrol, parallel):
+def test_sbatch_job_signalled_saves_requeues_once_and_continues_in_its_own_directory(tmp_path, scontrol, parallel,
+                                                                                      monkeypatch):
     """ddp: the job's process is `run.py`, which spawned 2 workers; SLURM signals it, it forwards the signal,
     both workers stop after the same step and save, and the parent (not each worker) requeues the job."""
     env, calls = scontrol
@@ -64,8 +71,10 @@ def test_sbatch_job_signalled_saves_requeues_once_and_continues_in_its_own_direc
         assert calls.read_text() == f"requeue {env['SLURM_JOB_ID']}\n"  # exactly once
         assert (run_dir / "checkpoints" / "last").is_dir()
         assert "Requeued SLURM job" in (run_dir / "run.log").read_text()
-        # SLURM starts the same command again, with the same job id: it continues where it stopped.
-        again = run_cli(None, *quick, f"name={name}", fast=False, env=env)
+        # SLURM starts the same command again, with the same job id: it continues where it stopped (in this
+        # process, given the job's environment: the signal and the requeue were the other process's).
+        in_the_job(monkeypatch, env)
+        again = run_cli(None, *quick, f"name={name}", fast=False)
         assert again.returncode == 0, output(again)
         assert "Resumed from" in output(again) and f"at step {stopped.group(1)} " in output(again), output(again)
         assert calls.read_text().count("requeue") == 1
@@ -159,7 +168,8 @@ def _signal_while_starting(proc: subprocess.Popen, ready: Any, signals: list[sig
 
 @pytest.mark.parametrize("moment", ["composing", pytest.param("ddp-workers-importing",
                                                               marks=[pytest.mark.distributed, pytest.mark.slow])])
-def test_a_cluster_signal_while_the_run_starts_is_held_then_saved_requeued_and_resumed(tmp_path, scontrol, moment):
+def test_a_cluster_signal_while_the_run_starts_is_held_then_saved_requeued_and_resumed(tmp_path, scontrol, moment,
+                                                                                        monkeypatch):
     """SLURM's USR1 (or scancel's TERM) can come before the training loop watches: while Hydra composes, torch
     is imported or spawned DDP workers start. Before, its default action killed the job (exit -10: no checkpoint,
     no requeue, the allocation lost). Now it is held: the run takes its first step, saves `last`, requeues once,
@@ -175,7 +185,8 @@ def test_a_cluster_signal_while_the_run_starts_is_held_then_saved_requeued_and_r
     assert "Received SIGUSR1 while the run was starting" in text, text
     assert "Stopped by SIGUSR1 at step 1 " in text, text
     assert calls.read_text() == f"requeue {env['SLURM_JOB_ID']}\n"
-    again = run_cli(None, *quick, f"resume={run}", fast=False, env=env)
+    in_the_job(monkeypatch, env)  # the requeued job, in this process
+    again = run_cli(None, *quick, f"resume={run}", fast=False)
     assert again.returncode == 0, output(again)
     assert "at step 1 " in output(again) and json.loads((run / "summary.json").read_text())["step"] == 12
     assert calls.read_text().count("requeue") == 1
@@ -218,43 +229,6 @@ class SlowTask(ClassificationTask):
         """A resumed attempt (a requeued job) runs at full speed: it finishes within one more time limit however
         loaded the machine is (submitit gives up on a job that times out too often)."""
         self.sleep_s = 0.0
-
-
-@pytest.mark.waits
-@pytest.mark.slow
-def test_a_submitit_sweep_with_a_too_short_time_limit_requeues_and_finishes_every_job_exactly(tmp_path):
-    """submitit's real local executor: with timeout_min=1 it sends SIGUSR2 about 30 s into each job. Each job
-    (36 s of sleeping steps) stops at a step, saves last, is requeued by submitit and continues."""
-    steps = 2400  # 36 s of sleeping steps: submitit signals at about 30 s
-    common = ("logger.progress_bar=false", "trainer.device=cpu", "trainer.test=false", "callbacks=none",
-              f"trainer.max_steps={steps}", "trainer.max_epochs=-1", "model.dropout=0.2", "trainer.log_every_n_steps=500",
-              "task._target_=test_requeue.SlowTask")
-    sweep = tmp_path / "sweep"
-    env = {**os.environ, "PYTHONPATH": on_pythonpath(TESTS),
-           "OMP_NUM_THREADS": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    sweeping = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "-m", "hydra/launcher=submitit_local",
-                                 "hydra.launcher.timeout_min=1", f"hydra.sweep.dir={sweep}", "optimizer.lr=0.05,0.1",
-                                 *common, "+task.sleep_s=0.015"],
-                                cwd=ROOT, stdout=(tmp_path / "out").open("w"), stderr=(tmp_path / "err").open("w"),
-                                env=env)  # files, not pipes, which nobody reads meanwhile
-    try:  # the runs never interrupted, for comparison, train in this process while the sweep's jobs mostly sleep
-        for lr in ("0.05", "0.1"):
-            whole = run_cli(tmp_path / f"whole-{lr}", f"optimizer.lr={lr}", *common, "+task.sleep_s=0", fast=False)
-            assert whole.returncode == 0, output(whole)
-        sweeping.wait(timeout=400)
-    finally:
-        sweeping.kill()
-    proc = subprocess.CompletedProcess(sweeping.args, sweeping.returncode, (tmp_path / "out").read_text(),
-                                       (tmp_path / "err").read_text())
-    assert proc.returncode == 0, output(proc)
-    rows = list(csv.DictReader((sweep / "summary.csv").open()))
-    assert sorted(row["job"] for row in rows) == ["0_optimizer.lr=0.05", "1_optimizer.lr=0.1"]
-    assert all(row["status"] == "ok" for row in rows), rows
-    for lr, job in (("0.05", "0_optimizer.lr=0.05"), ("0.1", "1_optimizer.lr=0.1")):
-        log = (sweep / job / "run.log").read_text()
-        assert "Stopped by SIGUSR2" in log and "Requeued job" in log and "Resumed from" in log, log
-        assert_identical(final_state(tmp_path / f"whole-{lr}"), final_state(sweep / job))
 
 
 @pytest.mark.slow

@@ -6,13 +6,14 @@ from __future__ import annotations
 import csv
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, TESTS, on_pythonpath, output, run_process
+from conftest import ROOT, TESTS, assert_identical, final_state, on_pythonpath, output, run_cli, run_env, run_process
 
 from framework.loop.view import RunView
 from framework.task.classification import ClassificationTask
@@ -81,6 +82,28 @@ def sweep(tmp_path: Path, *overrides: str, parts: str, pythonpath: Path = TESTS,
     return run_process(args, env=env, timeout=timeout), sweep_dir
 
 
+def start_sweep(tmp_path: Path, *overrides: str, parts: str = "", quick: bool = True
+                ) -> tuple[subprocess.Popen, Path]:
+    """`sweep`, started: the process (its output to files in `tmp_path`) and its sweep directory. `quick`: with the
+    QUICK overrides and each job playing its part (SweepPartTask)."""
+    sweep_dir = tmp_path / "sweep"
+    (tmp_path / "meeting").mkdir()
+    parted = (*QUICK, "task._target_=test_sweep_resilience.SweepPartTask") if quick else ()
+    args = [sys.executable, str(ROOT / "run.py"), "-m", f"hydra.sweep.dir={sweep_dir}", *parted, *overrides]
+    env = {**run_env(), "PYTHONPATH": on_pythonpath(TESTS), "SWEEP_PARTS": parts,
+           "MEETING_DIR": str(tmp_path / "meeting")}
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, text=True, stdout=(tmp_path / "out").open("w"),
+                            stderr=(tmp_path / "err").open("w"))
+    return proc, sweep_dir
+
+
+def finished(proc: subprocess.Popen, sweep_dir: Path, timeout: float) -> subprocess.CompletedProcess:
+    """The sweep start_sweep started, once it has ended: its exit code and output."""
+    proc.wait(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, (sweep_dir.parent / "out").read_text(),
+                                       (sweep_dir.parent / "err").read_text())
+
+
 def rows(sweep_dir: Path) -> dict[str, dict[str, str]]:
     """summary.csv's rows by their `job` cell."""
     with open(sweep_dir / "summary.csv") as f:
@@ -140,19 +163,51 @@ def test_a_launcher_that_raises_still_leaves_the_summary_and_one_error_line(tmp_
 
 @pytest.mark.waits
 @pytest.mark.slow
-def test_submitit_jobs_killed_or_ended_for_good_by_their_time_limit_are_rows_and_the_parent_collects_the_others(
+def test_submitits_time_limit_requeues_a_job_until_it_ends_and_a_sweep_records_jobs_killed_or_timed_out_for_good(
         tmp_path):
-    """Two defects of Hydra's submitit launcher, in one sweep of three jobs (one wait for submitit's time limit).
-    It waited on its jobs in order and raised at the first that produced no result: a traceback, no summary.csv, and
-    the jobs after it never collected; job 1 is SIGKILLed once job 0 has finished. And submitit's handler raises
-    instead of requeueing a job that timed out too often (here at its first time limit, max_num_timeout=0): the job's
-    exception reached the sweeper, which raised it through the CLI; job 2 runs until its time limit, saves
-    checkpoints/last and is `interrupted`, saying why it was not requeued."""
-    proc, sweep_dir = sweep(tmp_path, "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=1",
-                            "+hydra.launcher.max_num_timeout=0", "checkpoint=default", "callbacks=none",
-                            "trainer.max_epochs=-1", "trainer.max_steps=3,4,100000", parts="1=SIGKILL,2=slow")
-    text = output(proc)
-    assert proc.returncode == 1 and "Traceback" not in text, text
+    """Two sweeps under submitit's real local executor with timeout_min=1, which sends SIGUSR2 about 30 s into each
+    job, run at once (one wait on submitit's clock for both).
+
+    Requeued: each job of the first sweep (36 s of sleeping steps) stops at a step, saves last, is requeued by
+    submitit and continues, ending as the run never stopped.
+
+    Two defects of Hydra's submitit launcher, in the second sweep of three jobs. It waited on its jobs in order and
+    raised at the first that produced no result: a traceback, no summary.csv, and the jobs after it never
+    collected; job 1 is SIGKILLed once job 0 has finished. And submitit's handler raises instead of requeueing a job
+    that timed out too often (here at its first time limit, max_num_timeout=0): the job's exception reached the
+    sweeper, which raised it through the CLI; job 2 runs until its time limit, saves checkpoints/last and is
+    `interrupted`, saying why it was not requeued."""
+    steps = 2400  # 36 s of sleeping steps: submitit signals at about 30 s
+    common = ("logger.progress_bar=false", "trainer.device=cpu", "trainer.test=false", "callbacks=none",
+              f"trainer.max_steps={steps}", "trainer.max_epochs=-1", "model.dropout=0.2",
+              "trainer.log_every_n_steps=500", "task._target_=test_requeue.SlowTask")
+    requeued = tmp_path / "requeued"
+    requeued.mkdir()
+    sweeps = [
+        start_sweep(requeued, "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=1",
+                    "optimizer.lr=0.05,0.1", *common, "+task.sleep_s=0.015", quick=False),
+        start_sweep(tmp_path, "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=1",
+                    "+hydra.launcher.max_num_timeout=0", "checkpoint=default", "callbacks=none",
+                    "trainer.max_epochs=-1", "trainer.max_steps=3,4,100000", parts="1=SIGKILL,2=slow"),
+    ]
+    try:  # the runs never interrupted, for comparison, train in this process while the sweeps' jobs mostly sleep
+        for lr in ("0.05", "0.1"):
+            whole = run_cli(tmp_path / f"whole-{lr}", f"optimizer.lr={lr}", *common, "+task.sleep_s=0", fast=False)
+            assert whole.returncode == 0, output(whole)
+        (requeue, requeue_dir), (failures, sweep_dir) = [(finished(proc, folder, timeout=400), folder)
+                                                         for proc, folder in sweeps]
+    finally:
+        for proc, _ in sweeps:
+            proc.kill()
+    assert requeue.returncode == 0, output(requeue)
+    assert statuses(requeue_dir) == {"0_optimizer.lr=0.05": "ok", "1_optimizer.lr=0.1": "ok"}, output(requeue)
+    for lr, job in (("0.05", "0_optimizer.lr=0.05"), ("0.1", "1_optimizer.lr=0.1")):
+        log = (requeue_dir / job / "run.log").read_text()
+        assert "Stopped by SIGUSR2" in log and "Requeued job" in log and "Resumed from" in log, log
+        assert_identical(final_state(tmp_path / f"whole-{lr}"), final_state(requeue_dir / job))
+
+    text = output(failures)
+    assert failures.returncode == 1 and "Traceback" not in text, text
     table = rows(sweep_dir)
     assert statuses(sweep_dir) == {"0_trainer.max_steps=3": "ok", "1_trainer.max_steps=4": "killed",
                                    "2_trainer.max_steps=100000": "interrupted"}, text
