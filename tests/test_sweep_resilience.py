@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, TESTS, assert_identical, final_state, on_pythonpath, output, run_cli, run_env, run_process
+from conftest import ROOT, TESTS, assert_identical, final_state, on_pythonpath, output, run_cli, run_env
 
 from framework.loop.view import RunView
 from framework.task.classification import ClassificationTask
@@ -72,25 +72,24 @@ def _play() -> str:
 
 
 def sweep(tmp_path: Path, *overrides: str, parts: str, pythonpath: Path = TESTS, timeout: float = 300):
-    """`run.py -m` of the QUICK overrides and `overrides`, each job playing its part (SweepPartTask)."""
-    sweep_dir = tmp_path / "sweep"
-    (tmp_path / "meeting").mkdir()
-    args = [sys.executable, str(ROOT / "run.py"), "-m", f"hydra.sweep.dir={sweep_dir}", *QUICK,
-            "task._target_=test_sweep_resilience.SweepPartTask", *overrides]
-    env = {"PYTHONPATH": on_pythonpath(pythonpath, TESTS), "SWEEP_PARTS": parts,
-           "MEETING_DIR": str(tmp_path / "meeting")}
-    return run_process(args, env=env, timeout=timeout), sweep_dir
+    """`run.py -m` of the QUICK overrides and `overrides`, each job playing its part (SweepPartTask), once it has
+    ended; and its sweep directory."""
+    proc, sweep_dir = start_sweep(tmp_path, *overrides, parts=parts, pythonpath=pythonpath)
+    try:
+        return finished(proc, sweep_dir, timeout), sweep_dir
+    finally:
+        proc.kill()
 
 
-def start_sweep(tmp_path: Path, *overrides: str, parts: str = "", quick: bool = True
+def start_sweep(tmp_path: Path, *overrides: str, parts: str = "", quick: bool = True, pythonpath: Path = TESTS
                 ) -> tuple[subprocess.Popen, Path]:
-    """`sweep`, started: the process (its output to files in `tmp_path`) and its sweep directory. `quick`: with the
+    """The sweep, started: its process (its output to files in `tmp_path`) and its sweep directory. `quick`: with the
     QUICK overrides and each job playing its part (SweepPartTask)."""
     sweep_dir = tmp_path / "sweep"
     (tmp_path / "meeting").mkdir()
     parted = (*QUICK, "task._target_=test_sweep_resilience.SweepPartTask") if quick else ()
     args = [sys.executable, str(ROOT / "run.py"), "-m", f"hydra.sweep.dir={sweep_dir}", *parted, *overrides]
-    env = {**run_env(), "PYTHONPATH": on_pythonpath(TESTS), "SWEEP_PARTS": parts,
+    env = {**run_env(), "PYTHONPATH": on_pythonpath(pythonpath, TESTS), "SWEEP_PARTS": parts,
            "MEETING_DIR": str(tmp_path / "meeting")}
     proc = subprocess.Popen(args, cwd=ROOT, env=env, text=True, stdout=(tmp_path / "out").open("w"),
                             stderr=(tmp_path / "err").open("w"))
