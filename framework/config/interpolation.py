@@ -61,13 +61,21 @@ def _written(parent: Container, name: Any) -> Any:
 
 def interpolations(cfg: Container) -> dict[str, str]:
     """Every node of `cfg` written as plain references to other keys (see `references`), by full key, as written."""
-    found = {}
-    for key, parent, name in nodes(cfg):
-        if name != "_target_" and OmegaConf.is_interpolation(parent, name):
-            written = _written(parent, name)
-            if isinstance(written, str) and references(written, key) is not None:
-                found[key] = written
-    return found
+    written = cast(Any, OmegaConf.to_container(cfg, resolve=False))  # once: `${...}` stay text
+    return {
+        key: text
+        for key, name, text in _plain_nodes(written)
+        if name != "_target_" and isinstance(text, str) and "${" in text and references(text, key) is not None
+    }
+
+
+def _plain_nodes(node: Any, key: str = "") -> Iterator[tuple[str, Any, Any]]:
+    """(full key, name in parent, value) for every node under a plain dict or list, keyed as `nodes` keys them."""
+    items = enumerate(node) if isinstance(node, list) else node.items() if isinstance(node, dict) else ()
+    for name, value in items:
+        full_key = f"{key}[{name}]" if isinstance(node, list) else f"{key}.{name}" if key else str(name)
+        yield full_key, name, value
+        yield from _plain_nodes(value, full_key)
 
 
 def resolve_calls(cfg: DictConfig) -> None:
