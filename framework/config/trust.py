@@ -36,13 +36,18 @@ def targets(node: Any, key: str = "") -> Iterator[tuple[str, Any]]:
             yield from targets(value, f"{key}[{i}]")
 
 
+# libyaml's safe loader where PyYAML has it (its wheels do): the same YAML subset as yaml.safe_load, about six times
+# faster on the config trees, which every resume reads whole.
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def conf_targets(conf_dirs: list[Path]) -> set[str]:
     """Every dotted path the config trees in `conf_dirs` name (the user's own configs)."""
     found: set[str] = set()
     for folder in conf_dirs:
         for path in folder.rglob("*.yaml"):
             try:
-                found.update(str(t) for _, t in targets(yaml.safe_load(path.read_text())))
+                found.update(str(t) for _, t in targets(yaml.load(path.read_text(), Loader=_SAFE_LOADER)))
             except (yaml.YAMLError, OSError, UnicodeDecodeError):
                 continue
     return found
