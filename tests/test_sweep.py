@@ -3,6 +3,7 @@ TensorBoard server, failures that do not lose the other jobs, Hydra's joblib lau
 from __future__ import annotations
 
 import csv
+import gc
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import pytest
 import torch
 from conftest import ROOT, output, run_cli
 
+from framework.callbacks.base import Callback
 from framework.loop.view import RunView
 from framework.task.classification import ClassificationTask
 from framework.task.task import StepOutput
@@ -218,14 +220,36 @@ class CountingTask(ClassificationTask):
 
 
 def test_jobs_of_a_sweep_in_one_process_free_the_last_job_the_first_included(tmp_path):
-    """Hydra's basic launcher runs every job in the sweep's process. The first job imports torch._dynamo and
-    then freezes what is alive out of the cyclic collector's sight (framework.loop.trainer._import_torch_dynamo):
-    nothing of a job may be among it, or that job's task, model and data would outlive it."""
+    """Hydra's basic launcher runs every job in the sweep's process. Each job's task, model and data are freed
+    before the next job is built (framework/stages/fit.py), the first job's too, though it is the one that
+    imports torch._dynamo and so holds the most."""
     alive = tmp_path / "alive"
     proc, _ = sweep(tmp_path, "task._target_=test_sweep.CountingTask", "optimizer.lr=0.05,0.1,0.2",
                     env={"ALIVE_FILE": str(alive), "PYTHONPATH": str(Path(__file__).parent)})
     assert proc.returncode == 0, output(proc)
     assert alive.read_text().split() == ["0", "0", "0"]
+
+
+HELD_TASKS: list[weakref.ref] = []
+
+
+class CycleWithTheTask(Callback):
+    """Ties the run's task into a reference cycle, and makes that cycle old: it survives a full collection while
+    the run holds it, so a collection of the young generations at the run's end does not free it."""
+
+    def on_fit_start(self, trainer: Any, task: Any) -> None:
+        self.itself, self.task = self, task
+        HELD_TASKS.append(weakref.ref(task))
+        gc.collect()
+
+
+def test_a_run_its_callback_ties_in_an_old_cycle_is_freed_when_it_returns(tmp_path):
+    """A sweep's next job must not start with the last one's task, model and data still in memory, even where a
+    callback holds them in a cycle that only a full collection frees (framework/stages/fit.py)."""
+    del HELD_TASKS[:]
+    done = run_cli(tmp_path, "+callbacks.cycle._target_=test_sweep.CycleWithTheTask")
+    assert done.returncode == 0, output(done)
+    assert len(HELD_TASKS) == 1 and HELD_TASKS[0]() is None
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
