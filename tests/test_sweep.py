@@ -166,8 +166,8 @@ def test_seed_sweeps_report_mean_and_std_per_setting(tmp_path):
 
 
 class RendezvousTask(ClassificationTask):
-    """Waits (bounded) at its first step until every job of the sweep has started: only jobs that really
-    run at the same time get past it."""
+    """Waits (bounded) at its first step until both jobs of the sweep have started: only jobs that really run at
+    the same time get past it. A job's rank 0 marks it started; every rank waits."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -176,7 +176,8 @@ class RendezvousTask(ClassificationTask):
     def training_step(self, batch: Any) -> StepOutput:
         if not self.waited:
             folder = Path(os.environ["RENDEZVOUS_DIR"])
-            (folder / f"started-{os.getpid()}").touch()
+            if self.trainer.is_global_zero:
+                (folder / f"started-{os.getpid()}").touch()
             deadline = time.monotonic() + 120
             while len(list(folder.glob("started-*"))) < 2:
                 if time.monotonic() > deadline:
@@ -186,22 +187,17 @@ class RendezvousTask(ClassificationTask):
         return super().training_step(batch)
 
 
-def test_joblib_launcher_runs_two_jobs_in_parallel(tmp_path):
-    proc, sweep_dir = sweep(tmp_path, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
-                            "task._target_=test_sweep.RendezvousTask", "optimizer.lr=0.05,0.1",
-                            env={"RENDEZVOUS_DIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).parent)})
-    assert proc.returncode == 0, output(proc)
-    assert len(list(tmp_path.glob("started-*"))) == 2  # two processes, both inside training at once
-    assert [r["status"] for r in rows(sweep_dir)] == ["ok", "ok"]
-
-
 @pytest.mark.distributed
-def test_joblib_jobs_start_dataloader_workers_and_ddp_workers(tmp_path):
-    """A loky worker's multiprocessing default is loky's own context: a job's DataLoader workers died of it and
-    its spawned DDP workers could not start. Both kinds of job, side by side, must train."""
+def test_joblib_runs_two_jobs_at_once_and_they_start_dataloader_workers_and_ddp_workers(tmp_path, monkeypatch):
+    """n_jobs=2: both jobs are inside training at once. A loky worker's multiprocessing default is loky's own
+    context: a job's DataLoader workers died of it and its spawned DDP workers could not start. Both kinds of job,
+    side by side, must train."""
+    monkeypatch.setenv("RENDEZVOUS_DIR", str(tmp_path))  # the loky workers and their DDP workers inherit it
     proc, sweep_dir = sweep(tmp_path, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "data.num_workers=1",
-                            "parallel=single,ddp")
+                            "parallel=single,ddp", "task._target_=test_sweep.RendezvousTask",
+                            env={"PYTHONPATH": str(Path(__file__).parent)})
     assert proc.returncode == 0, output(proc)
+    assert len(list(tmp_path.glob("started-*"))) == 2  # two jobs, both inside training at once
     assert sorted((r["parallel"], r["status"]) for r in rows(sweep_dir)) == [("ddp", "ok"), ("single", "ok")]
     assert [json.loads((d / "summary.json").read_text())["world_size"] for d in job_dirs(sweep_dir)] == [1, 2]
 
