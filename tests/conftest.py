@@ -141,10 +141,11 @@ def run_in_process(args: list[str]) -> subprocess.CompletedProcess:
         return subprocess.CompletedProcess(["run.py", *args], code, _read(out), _read(err))
 
 
-def run_command_in_process(args: list[str]) -> subprocess.CompletedProcess:
+def run_command_in_process(args: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """`python run.py ARGS` through the command line's own entry point (framework.app.cli.main) in this process, as
     an application's tests call its main: sys.argv set, the exit code from its SystemExit, stdout and stderr (file
-    descriptors and Python's streams) captured. For what the command line itself does, such as a sweep (`-m`) and its
+    descriptors and Python's streams) captured, run from `cwd` (where relative paths such as Hydra's default
+    `outputs/` start). For what the command line itself does, such as a sweep (`-m`) and its
     summary, where the process is not what the test looks at (a signal, a kill, the environment are). Afterwards this
     process's logging is as it was (Hydra configures the command's), and so are its environment variables (the
     command sets some for itself: HYDRA_FULL_ERROR, a cluster's ranks), sys.argv, sys.path and Hydra's global
@@ -159,7 +160,7 @@ def run_command_in_process(args: list[str]) -> subprocess.CompletedProcess:
         sys.argv = [str(ROOT / "run.py"), *args]
         try:
             with _console_to(out, err), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-                    contextlib.chdir(ROOT):
+                    contextlib.chdir(cwd):
                 cli.main()
         except SystemExit as exit:
             code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)

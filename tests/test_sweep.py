@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-from conftest import ROOT, output, run_cli
+from conftest import output, run_cli, run_command_in_process
 
 from framework.callbacks.base import Callback
 from framework.loop.view import RunView
@@ -301,12 +301,11 @@ def test_a_stop_signal_ends_a_sequential_sweep_and_the_same_command_continues_it
 
 
 @pytest.mark.parametrize("named", [(), ("name='my sweep,1 it\\'s'",)], ids=["default-name", "awkward-name"])
-def test_a_sweep_over_models_keeps_its_jobs_in_one_default_sweep_directory(tmp_path, named):
+def test_a_sweep_over_models_keeps_its_jobs_in_one_default_sweep_directory(tmp_path, named, monkeypatch):
     """The default hydra.sweep.dir is outputs/${name}/multirun/<time>, and name follows each job's model: the jobs
     of -m model=mlp,cnn went to two sweep directories, and the summary saw one job."""
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", *QUICK, *named, "model=mlp,cnn"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300,
-                          env={k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"})
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    proc = run_command_in_process(["-m", *QUICK, *named, "model=mlp,cnn"], cwd=tmp_path)  # outputs/ under tmp_path
     assert proc.returncode == 0, output(proc)
     sweeps = list(tmp_path.glob("outputs/*/multirun/*"))
     assert len(sweeps) == 1 and sweeps[0].parent.parent.name == ("my sweep,1 it's" if named else "digits_mlp"), sweeps
