@@ -242,11 +242,11 @@ def test_a_wandb_service_killed_mid_run_is_one_warning_and_the_run_goes_on(tmp_p
     assert any(row.startswith("6,val/acc,") for row in rows)  # the csv tracker went on to the end
 
 
-def test_choosing_wandb_without_it_installed_is_one_error_line_and_no_run_dir(tmp_path):
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text('import sys\nsys.modules["wandb"] = None  # not installed\n')
-    refused = run_cli(tmp_path / "refused", "logger=[tensorboard,wandb]",
-                      env={"PYTHONPATH": on_pythonpath(tmp_path / "site")})
+def test_choosing_wandb_without_it_installed_is_one_error_line_and_no_run_dir(tmp_path, monkeypatch):
+    # As if not installed: `import wandb` fails, importlib.util.find_spec finds nothing. The run is refused before
+    # it starts, so W&B's service and environment in this process are never touched.
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    refused = run_cli(tmp_path / "refused", "logger=[tensorboard,wandb]")
     line = one_error_line(refused)
     assert line.startswith("Error: logger=wandb: the wandb package is not installed"), line
     assert not (tmp_path / "refused").exists()

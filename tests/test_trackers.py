@@ -13,6 +13,7 @@ import logging.config
 import re
 import shutil
 import sqlite3
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -341,25 +342,25 @@ def test_an_mlflow_store_that_cannot_be_opened_does_not_stop_the_run(compose, tm
 
 
 # ---------------------------------------------------------------------------------------------- run.py
-def hiding_mlflow(folder: Path) -> dict[str, str]:
-    """The environment of a Python without mlflow installed, as a user without the `trackers` extra has: a
-    sitecustomize that marks it absent (`import mlflow` fails, `importlib.util.find_spec` finds nothing)."""
-    folder.mkdir()
-    (folder / "sitecustomize.py").write_text('import sys\nsys.modules["mlflow"] = None  # as if not installed\n')
-    return {"PYTHONPATH": on_pythonpath(folder)}
+def hiding_mlflow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process as a Python without mlflow installed, as a user without the `trackers` extra has, until the test
+    ends: mlflow and each of its modules marked absent in sys.modules (`import mlflow`, `from mlflow.entities
+    import ...` fail; `importlib.util.find_spec` finds nothing). The framework imports mlflow only where it uses it."""
+    for name in ["mlflow", *(name for name in sys.modules if name.startswith("mlflow."))]:
+        monkeypatch.setitem(sys.modules, name, None)
 
 
 @pytest.mark.e2e
-def test_choosing_mlflow_without_it_installed_is_one_error_line_and_no_run_dir(tmp_path):
+def test_choosing_mlflow_without_it_installed_is_one_error_line_and_no_run_dir(tmp_path, monkeypatch):
     """...and a run that did not choose it never imports it (it succeeds where mlflow cannot be imported)."""
-    env = hiding_mlflow(tmp_path / "site")
-    refused = run_cli(tmp_path / "refused", "logger=[tensorboard,mlflow]", env=env)
+    hiding_mlflow(monkeypatch)
+    refused = run_cli(tmp_path / "refused", "logger=[tensorboard,mlflow]")
     line = one_error_line(refused)
     assert line.startswith("Error: logger=mlflow: the mlflow package is not installed"), line
     assert "pip install 'hydra-torch-framework[trackers]'" in line
     assert not (tmp_path / "refused").exists()
     plain = run_cli(tmp_path / "plain", "logger=[tensorboard,csv]", "trainer.max_epochs=1",
-                    "trainer.limit_train_batches=2", env=env)
+                    "trainer.limit_train_batches=2")
     assert plain.returncode == 0, output(plain)
     assert (tmp_path / "plain" / "metrics.csv").is_file()
 
