@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from conftest import FAST, ROOT, TESTS, on_pythonpath, output, run_cli
+from conftest import FAST, ROOT, output, run_cli
 
 from framework.app import launch
 from framework.observe import provenance
@@ -149,24 +149,24 @@ class MarkingTask(ClassificationTask):
         return super().training_step(batch)
 
 
-def test_git_never_delays_the_first_step(tmp_path):
+def test_git_never_delays_the_first_step(tmp_path, monkeypatch):
     """A stand-in `git` that answers only once training has taken its first step (as a `git status` of a large
     checkout can take seconds): recorded before training, as it was, the stand-in would give up and the record would
-    have no commit; recorded beside training, it has the stand-in's commit."""
-    bin_dir, hook_dir, marker = tmp_path / "bin", tmp_path / "hook", tmp_path / "first-step"
+    have no commit; recorded beside training, it has the stand-in's commit. The run is in this process: the
+    framework finds git on $PATH as it calls it, and reads GIT_TIMEOUT_S then too."""
+    bin_dir, marker = tmp_path / "bin", tmp_path / "first-step"
     bin_dir.mkdir()
-    hook_dir.mkdir()
     # On a loaded machine the first step can come more than git's 3 s after the record starts: give git 60 s (the
     # stand-in waits 30 s at most), so only a record taken before training can miss the commit.
-    (hook_dir / "sitecustomize.py").write_text("import framework.observe.provenance as p\np.GIT_TIMEOUT_S = 60.0\n")
+    monkeypatch.setattr(provenance, "GIT_TIMEOUT_S", 60.0)
     (bin_dir / "git").write_text(f"#!/bin/sh\nfor i in $(seq 1 600); do [ -e {marker} ] && break; sleep 0.05; done\n"
                                  f"[ -e {marker} ] || exit 1\n"
                                  'if [ "$1" = rev-parse ]; then echo 0123456789abcdef0123456789abcdef01234567; fi\n')
     (bin_dir / "git").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FIRST_STEP_MARKER", str(marker))
     run_dir = tmp_path / "run"
-    proc = run_cli(run_dir, *QUICK, "task._target_=test_provenance.MarkingTask",
-                   env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FIRST_STEP_MARKER": str(marker),
-                        "PYTHONPATH": on_pythonpath(hook_dir, TESTS)})
+    proc = run_cli(run_dir, *QUICK, "task._target_=test_provenance.MarkingTask")
     assert proc.returncode == 0, output(proc)
     record = json.loads((run_dir / "provenance.json").read_text())
     assert record["git"] == {"commit": "0123456789abcdef0123456789abcdef01234567", "dirty": False, "untracked": [],
