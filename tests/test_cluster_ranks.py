@@ -15,7 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, TESTS, on_pythonpath, one_error_line, output, run_env, run_process
+from conftest import (
+    ROOT,
+    TESTS,
+    on_pythonpath,
+    one_error_line,
+    output,
+    run_command_in_process,
+    run_env,
+    run_process,
+)
 
 from framework.parallel import cluster
 from framework.task.classification import ClassificationTask
@@ -69,20 +78,28 @@ def test_an_srun_of_two_tasks_trains_one_run_at_world_size_two_in_one_directory(
     assert output(done[0]).count("Done in") == 1 and "Done in" not in output(done[1])
 
 
-def test_parallel_single_in_a_job_of_two_tasks_is_refused_on_every_task(tmp_path):
+def _as_task(monkeypatch: pytest.MonkeyPatch, rank: int, job_id: str) -> None:
+    """This process's environment as srun's task `rank` of `job_id` (_srun_task), until the test ends: for a
+    refusal at start, which `python run.py` makes through its entry point run here (run_command_in_process: the
+    command line derives the ranks from these variables, and puts the environment back afterwards)."""
+    for name, value in _srun_task(rank, job_id).items():
+        monkeypatch.setenv(name, value)
+
+
+def test_parallel_single_in_a_job_of_two_tasks_is_refused_on_every_task(tmp_path, monkeypatch):
     job_id = "4711"
     for rank in (0, 1):
-        proc = run_process([sys.executable, str(ROOT / "run.py"), f"hydra.run.dir={tmp_path / 'run'}", *QUICK],
-                           env=_srun_task(rank, job_id))
+        _as_task(monkeypatch, rank, job_id)
+        proc = run_command_in_process([f"hydra.run.dir={tmp_path / 'run'}", *QUICK])
         line = one_error_line(proc)
         assert line.startswith("Error: parallel.strategy=single: a job of 2 tasks (slurm): each task is a rank"), line
         assert "expected parallel=ddp or parallel=fsdp, or one task per job" in line
     assert not [p for p in (tmp_path / "run").rglob("*")]  # refused at start: nothing left (rank 1's Hydra made it)
 
 
-def test_several_devices_per_task_are_refused(tmp_path):
-    proc = run_process([sys.executable, str(ROOT / "run.py"), f"hydra.run.dir={tmp_path / 'run'}", "parallel=ddp",
-                        "parallel.devices=2", *QUICK], env=_srun_task(0, "4711"))
+def test_several_devices_per_task_are_refused(tmp_path, monkeypatch):
+    _as_task(monkeypatch, 0, "4711")
+    proc = run_command_in_process([f"hydra.run.dir={tmp_path / 'run'}", "parallel=ddp", "parallel.devices=2", *QUICK])
     assert one_error_line(proc).startswith("Error: parallel.devices=2: a job of 2 tasks (slurm): each task is one "
                                            "process"), output(proc)
 
