@@ -22,6 +22,7 @@ from conftest import (
     output,
     read_scalars,
     run_cli,
+    run_command_in_process,
     run_export,
     saved_config,
 )
@@ -334,8 +335,8 @@ def test_a_checkpoint_without_a_recorded_data_identity_resumes_and_records_it_fr
         assert meta.pop("data_identity") is not None
         meta_path.unlink()
         meta_path.write_text(json.dumps(meta))
-    proc = run_cli(None, f"resume={run_dir}", "trainer.max_steps=16", "hydra.verbose=framework.data.module", fast=False,
-                   process=True)  # Hydra's logging set-up turns hydra.verbose into debug lines
+    # Through the command line's entry point, here: Hydra's logging set-up turns hydra.verbose into debug lines.
+    proc = run_command_in_process([f"resume={run_dir}", "trainer.max_steps=16", "hydra.verbose=framework.data.module"])
     assert proc.returncode == 0, output(proc)
     assert "records no data identity" in output(proc)  # said at debug level: nothing to compare with
     line = one_error_line(run_cli(None, f"resume={run_dir}", "data.train.val_fraction=0.2", "trainer.max_steps=20",
