@@ -17,7 +17,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import KILLHOOK, assert_identical, final_state, on_pythonpath, one_error_line, output, run_cli
+from conftest import (
+    KILLHOOK,
+    assert_identical,
+    final_state,
+    on_pythonpath,
+    one_error_line,
+    output,
+    run_cli,
+    signal_after_step,
+)
 
 from framework.zoo.shards import png, write_tar
 
@@ -205,8 +214,9 @@ def stopped_on_four_shards(tmp_path_factory: pytest.TempPathFactory, shards) -> 
             "data.num_workers=0", "model.hidden=[8]", "trainer.max_epochs=3", "logger.progress_bar=false",
             "+callbacks.ids._target_=record.Record", f"+callbacks.ids.folder={folder / 'ids'}")
     (folder / "ids").mkdir()
-    env = {"PYTHONPATH": on_pythonpath(shards[2], KILLHOOK), "KILL_AT_STEP": str(STOPPED_AT), "KILL_SIGNAL": "SIGTERM"}
-    proc = run_cli(folder / "run", *args, fast=False, env=env)
+    # In this process: the run catches SIGTERM (checkpoint.on_signal) and spawns no process (data.num_workers=0).
+    with signal_after_step(STOPPED_AT, signal.SIGTERM):
+        proc = run_cli(folder / "run", *args, fast=False, env={"PYTHONPATH": on_pythonpath(shards[2])})
     assert proc.returncode == 128 + signal.SIGTERM, output(proc)
     return folder
 
