@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-from conftest import output, run_cli, run_command_in_process
+from conftest import CONF, output, run_cli, run_command_in_process
 
 from framework.callbacks.base import Callback
 from framework.loop.view import RunView
@@ -303,8 +303,17 @@ def test_a_stop_signal_ends_a_sequential_sweep_and_the_same_command_continues_it
 @pytest.mark.parametrize("named", [(), ("name='my sweep,1 it\\'s'",)], ids=["default-name", "awkward-name"])
 def test_a_sweep_over_models_keeps_its_jobs_in_one_default_sweep_directory(tmp_path, named, monkeypatch):
     """The default hydra.sweep.dir is outputs/${name}/multirun/<time>, and name follows each job's model: the jobs
-    of -m model=mlp,cnn went to two sweep directories, and the summary saw one job."""
+    of -m model=mlp,cnn went to two sweep directories, and the summary saw one job. A config composed before in
+    the same process, and set as HydraConfig to resolve its `${hydra:...}` (as a notebook's may be), named the
+    sweep's directory after its own choices."""
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    import framework.config.schema
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    framework.config.schema.register()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        HydraConfig.instance().set_config(compose("config", overrides=["model=cnn"], return_hydra_config=True))
     proc = run_command_in_process(["-m", *QUICK, *named, "model=mlp,cnn"], cwd=tmp_path)  # outputs/ under tmp_path
     assert proc.returncode == 0, output(proc)
     sweeps = list(tmp_path.glob("outputs/*/multirun/*"))
