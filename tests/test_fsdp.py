@@ -97,8 +97,11 @@ def test_training_under_fsdp_matches_ddp_whose_checkpoints_fsdp_refuses_in_one_l
 @pytest.mark.distributed
 def test_sigkill_then_resume_ends_bit_identical_to_the_uninterrupted_run(whole, tmp_path):
     killed_dir = tmp_path / "killed"
+    # Killed at step 10, once step 8's save, written behind the loop, is on disk (on a loaded machine it may not be
+    # by then, and the run would rightly resume from step 4's).
     killed = run_cli(killed_dir, "parallel=fsdp", *RUN, fast=False,
-                     env={**ENV, "PYTHONPATH": on_pythonpath(KILLHOOK), "KILL_AT_STEP": "10", "KILL_SIGNAL": "SIGKILL"})
+                     env={**ENV, "PYTHONPATH": on_pythonpath(KILLHOOK), "KILL_AT_STEP": "10", "KILL_SIGNAL": "SIGKILL",
+                          "KILL_WHEN_EXISTS": str(killed_dir / "checkpoints" / "step-8")})
     assert killed.returncode == 1, output(killed)  # rank 0 killed; the spawning parent reports it
     if (killed_dir / "summary.json").exists():  # the surviving rank's record of the failure, never an `ok`
         assert json.loads((killed_dir / "summary.json").read_text())["status"] == "failed"

@@ -47,8 +47,9 @@ def test_the_summary_of_a_ported_lightning_module_is_what_tensorboard_holds(whol
 
 def test_a_ported_lightning_module_killed_mid_epoch_resumes_bit_identical(whole, tmp_path):
     killed = tmp_path / "killed"
-    env = {"PYTHONPATH": on_pythonpath(KILLHOOK),
-           "KILL_AT_STEP": "31", "KILL_SIGNAL": "SIGKILL"}  # mid second epoch, 3 steps after step 28's save
+    env = {"PYTHONPATH": on_pythonpath(KILLHOOK),  # mid second epoch, 3 steps after step 28's save, once that save
+           "KILL_AT_STEP": "31", "KILL_SIGNAL": "SIGKILL",  # (written behind the loop) is on disk, however slow the
+           "KILL_WHEN_EXISTS": str(killed / "checkpoints" / "step-28")}  # machine
     proc = run_cli(killed, *PORT, fast=False, env=env)
     assert proc.returncode == -signal.SIGKILL, output(proc)
     resumed = run_cli(None, f"resume={killed}", fast=False)

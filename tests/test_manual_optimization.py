@@ -92,8 +92,10 @@ def test_a_gan_under_manual_optimization_trains_both_nets_and_resumes_bit_identi
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     proc = run_cli(whole, *GAN)
     assert proc.returncode == 0, output(proc)
-    # Two optimizer steps a batch: the 20th is batch 10's, 3 batches after step 7's save.
-    env = {"PYTHONPATH": on_pythonpath(KILLHOOK), "KILL_AT_STEP": "20", "KILL_SIGNAL": "SIGKILL"}
+    # Two optimizer steps a batch: the 20th is batch 10's, 3 batches after step 7's save, once that save (written
+    # behind the loop) is on disk, however slow the machine.
+    env = {"PYTHONPATH": on_pythonpath(KILLHOOK), "KILL_AT_STEP": "20", "KILL_SIGNAL": "SIGKILL",
+           "KILL_WHEN_EXISTS": str(killed / "checkpoints" / "step-7")}
     proc = run_cli(killed, *GAN, env=env)
     assert proc.returncode == -signal.SIGKILL, output(proc)
     resumed = run_cli(None, f"resume={killed}")
