@@ -92,9 +92,17 @@ def history(path: Path) -> Iterator[dict[str, Any]]:
 
 
 def run_files(where: Path, run_id: str) -> list[Path]:
-    """The `.wandb` files of one run under `where/wandb` (one per start: the first, each resume), oldest first."""
+    """The `.wandb` files of one run under `where/wandb` (one per start: the first, each resume), oldest first.
+    W&B names a start's folder `[offline-]run-<time>-<id>`, and a later start within the same second
+    `...-<id>-1`, `-2`, ...: ordered by time, then that number (as text, `-1` sorts before the first start's)."""
     found = (where / "wandb").glob(f"*run-*/run-{run_id}.wandb")  # offline-run-*, run-* (online); not latest-run
-    return sorted(path for path in found if not path.parent.is_symlink())
+
+    def started(path: Path) -> tuple[str, int]:
+        name = path.parent.name
+        again = name.rsplit(f"-{run_id}", 1)[1]  # "" for the first start of that second, "-N" after
+        return name.split("run-", 1)[1].split("-", 1)[0], int(again[1:] or 0)
+
+    return sorted((path for path in found if not path.parent.is_symlink()), key=started)
 
 
 def train(compose, run_dir: Path, *overrides: str, resume_from: Path | None = None) -> dict:
