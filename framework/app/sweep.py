@@ -535,7 +535,7 @@ class SweepSummary(Callback):
             sys.exit(1)
         # Resolve the sweep directory now, as the sweeper will: `${now:...}` is cached on this config
         # object, so both see the same time; `${hydra:...}` needs HydraConfig set, to this sweep's config (Hydra's
-        # multirun sets none; a run made earlier in this process, through the Python API, left its own).
+        # multirun sets none; a config composed earlier in this process and set as HydraConfig would name it).
         HydraConfig.instance().set_config(config)
         self.sweep_dir = Path(config.hydra.sweep.dir)
         _SWEEP.update(pid=os.getpid(), dir=self.sweep_dir, existed=self.sweep_dir.exists(), swept=sweep_keys(config))
